@@ -1,0 +1,2 @@
+"""Benchmarks: each runs as ``python -m benchmarks.<name>`` and writes JSON to
+benchmarks/results/."""

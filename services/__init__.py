@@ -1,0 +1,1 @@
+"""The Ray Serve application of kvrank: ingress, user-state store and ranker replicas."""
