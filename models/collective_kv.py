@@ -1,0 +1,159 @@
+"""CollectiveKV: the keys and values of cached history tokens, mostly shared across users.
+
+Per attention layer there is a K pool and a V pool of ``M`` learnable entries of width
+``kv_width - d_u``. For each cached token with hidden state x (the layer's normed input):
+
+    idx_k = argmax(router_k x)                 (a bias-free linear router, top-1)
+    k     = concat(pool_k[idx_k], SiLU(W_uk x)) (W_uk: d_model -> d_u, tiny and user-specific)
+
+and the same for V with its own router, pool and projection. Rotary positions are applied after
+this reconstruction, so the stored state is position-free. A user's state per layer is
+``idx_k, idx_v`` (uint16 while M <= 65,536) and ``u_k, u_v`` (fp16, [T, d_u]); ``expand`` turns
+it back into K and V with one gather and one concat on the device that holds the pools.
+
+Training signal for the routers: the paper scales the chosen entry by sigmoid(router logit). A
+stored state holds only the index, so serving could not reproduce that scale; we use its
+straight-through form - the forward value is exactly the pool entry (scale 1), the backward pass
+carries the gradient of the sigmoid gate to the router - so training computes exactly what
+serving will. The user part is likewise rounded to fp16 in the forward pass (straight-through),
+so ``expand(compress(x))`` equals the on-the-fly K and V bit for bit. Aux losses, as in the
+paper: peak = -mean log softmax(logits)[top1], balance = KL(mean softmax || uniform).
+
+This module knows nothing about attention or positions; ``models.ranker`` wires it in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.config import CollectiveKVConfig
+
+STATE_DTYPE = torch.float16  # storage dtype of the user parts
+
+
+@dataclass
+class LayerState:
+    """One layer's compressed KV for a batch: idx_* (B, L) uint16/int32, u_* (B, L, d_u) fp16."""
+
+    idx_k: Tensor
+    idx_v: Tensor
+    u_k: Tensor
+    u_v: Tensor
+
+    def nbytes(self, lengths: Tensor) -> int:
+        """Stored bytes for the valid tokens (``lengths`` (B,)), padding excluded."""
+        per_token = (
+            self.idx_k.element_size()
+            + self.idx_v.element_size()
+            + (self.u_k.shape[-1] + self.u_v.shape[-1]) * self.u_k.element_size()
+        )
+        return int(lengths.sum()) * per_token
+
+    def map(self, fn) -> LayerState:
+        return LayerState(fn(self.idx_k), fn(self.idx_v), fn(self.u_k), fn(self.u_v))
+
+
+@dataclass
+class Routing:
+    """What a forward pass through one layer's CollectiveKV produces besides K and V."""
+
+    state: LayerState
+    aux_loss: Tensor  # weighted peak + balance losses (scalar)
+    peak_loss: Tensor
+    balance_loss: Tensor
+
+
+def peak_loss(logits: Tensor, valid: Tensor) -> Tensor:
+    """-mean over valid tokens of log softmax(logits)[top1]. logits (B, L, M), valid (B, L)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    top = logp.max(dim=-1).values
+    return -(top * valid).sum() / valid.sum().clamp(min=1)
+
+
+def balance_loss(logits: Tensor, valid: Tensor) -> Tensor:
+    """KL(mean softmax over valid tokens || uniform over the M entries)."""
+    p = torch.softmax(logits.float(), dim=-1) * valid.unsqueeze(-1)
+    mean = p.sum(dim=(0, 1)) / valid.sum().clamp(min=1)
+    m = logits.shape[-1]
+    return (mean * (torch.log(mean.clamp(min=1e-12)) + math.log(m))).sum()
+
+
+def _round_to_state(u: Tensor) -> Tensor:
+    """The value the state will hold, with the gradient of the unrounded value."""
+    return u + (u.to(STATE_DTYPE).to(u.dtype) - u).detach()
+
+
+class CollectiveKV(nn.Module):
+    """One layer's routers, pools and user projections for K and V."""
+
+    def __init__(self, d_model: int, kv_width: int, cfg: CollectiveKVConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        shared = kv_width - cfg.user_dim
+        self.router_k = nn.Linear(d_model, cfg.pool_size, bias=False)
+        self.router_v = nn.Linear(d_model, cfg.pool_size, bias=False)
+        self.pool_k = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02)
+        self.pool_v = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02)
+        self.user_k = nn.Linear(d_model, cfg.user_dim, bias=False)
+        self.user_v = nn.Linear(d_model, cfg.user_dim, bias=False)
+        self.index_dtype = torch.uint16 if cfg.pool_size <= 65536 else torch.int32
+
+    def forward(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Routing]:
+        """K and V for cached tokens, computed on the fly, plus their compressed state.
+
+        x (B, L, d_model), valid (B, L) bool -> k, v (B, L, kv_width) without rotary, Routing.
+        """
+        logits_k, logits_v = self.router_k(x), self.router_v(x)
+        idx_k, idx_v = logits_k.argmax(-1), logits_v.argmax(-1)
+        u_k = _round_to_state(F.silu(self.user_k(x)))
+        u_v = _round_to_state(F.silu(self.user_v(x)))
+        k = torch.cat([self.pool_k[idx_k] * _st_gate(logits_k, idx_k), u_k], dim=-1)
+        v = torch.cat([self.pool_v[idx_v] * _st_gate(logits_v, idx_v), u_v], dim=-1)
+        vf = valid.to(x.dtype)
+        peak = peak_loss(logits_k, vf) + peak_loss(logits_v, vf)
+        bal = balance_loss(logits_k, vf) + balance_loss(logits_v, vf)
+        aux = self.cfg.peak_weight * peak + self.cfg.balance_weight * bal
+        state = LayerState(
+            idx_k.to(self.index_dtype),
+            idx_v.to(self.index_dtype),
+            u_k.detach().to(STATE_DTYPE),
+            u_v.detach().to(STATE_DTYPE),
+        )
+        return k, v, Routing(state, aux, peak.detach(), bal.detach())
+
+    @torch.no_grad()
+    def compress(self, x: Tensor) -> LayerState:
+        """x (B, L, d_model) -> the stored state of those tokens."""
+        return self.forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))[2].state
+
+    def expand(self, state: LayerState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """state -> k, v (B, L, kv_width) in ``dtype``, without rotary: a gather and a concat."""
+        k = torch.cat([self.pool_k[state.idx_k.long()].to(dtype), state.u_k.to(dtype)], dim=-1)
+        v = torch.cat([self.pool_v[state.idx_v.long()].to(dtype), state.u_v.to(dtype)], dim=-1)
+        return k, v
+
+
+def _st_gate(logits: Tensor, idx: Tensor) -> Tensor:
+    """Straight-through sigmoid gate: value exactly 1, gradient d sigmoid(logit[idx])."""
+    s = torch.sigmoid(logits.gather(-1, idx.unsqueeze(-1)))
+    return 1.0 + (s - s.detach())  # parenthesised: (1 + s) - s is not exactly 1 in floats
+
+
+def full_kv_bytes(tokens: int, n_layers: int, kv_width: int) -> int:
+    """Bytes of the plain fp16 KV cache for ``tokens`` cached tokens: T * layers * 2 * width * 2."""
+    return tokens * n_layers * 2 * kv_width * 2
+
+
+def state_bytes_per_token(cfg: CollectiveKVConfig, n_layers: int) -> int:
+    """Closed form of the stored bytes per cached token: two indices and 2*d_u fp16 per layer."""
+    return n_layers * (2 * cfg.index_bytes + 2 * cfg.user_dim * 2)
+
+
+def compression_ratio(cfg: CollectiveKVConfig, n_layers: int, kv_width: int) -> float:
+    """stored state bytes / full fp16 KV bytes; (4 + 4 d_u) / (4 kv_width) with uint16 indices."""
+    return state_bytes_per_token(cfg, n_layers) / full_kv_bytes(1, n_layers, kv_width)

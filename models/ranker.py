@@ -1,0 +1,426 @@
+"""The personalized ranker (DuoLM): a Llama-style decoder whose tokens are item vectors.
+
+Input sequence per user: ``[BOS] h_1 ... h_T`` with ``h_t = adapter(item_table[vid_t]) +
+feedback_emb[f_t] (+ time_emb[gap bucket])``, then candidates ``c_j = adapter(item_table[vid_j])
++ cand_emb``. Position p of BOS is 0, of h_t is t; every candidate sits at position T+1 and sees
+the whole history and itself, never another candidate (multi-item scoring, MIS). The score of
+candidate j is a linear head on its last hidden state.
+
+Serving API, on a batch of users with ragged histories:
+
+    cache  = ranker.prefill(history)                 # KVCache, or CompressedCache with CKV
+    scores = ranker.score(cache, candidate_vids)     # MIS fast path, (B, N)
+    cache  = ranker.extend(cache, event)             # one decode step: one more history token
+    scores = ranker.score_reference(history, cands)  # packed sequence + dense mask (the oracle)
+
+Training uses ``forward(history, candidate_vids)``: the same prefill + MIS fast path with
+gradients, so training sees exactly the attention pattern serving uses.
+
+A new history token and a candidate are the same computation - a token at position T+1 that
+attends to the cache and itself - so ``extend`` and ``score`` share ``_step``; only what is kept
+differs (the new token's K/V, or its score). With CollectiveKV the history tokens' K/V come from
+the pools (``models.collective_kv``) and the cache IS the compressed state; candidates, which
+are never cached, use the ordinary k/v projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.collective_kv import CollectiveKV, LayerState, full_kv_bytes
+from models.config import RankerConfig
+from models.layers import (
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    masked_attention,
+    merge_heads,
+    mis_attention,
+    rope_cos_sin,
+    split_heads,
+)
+
+# ----------------------------------------------------------------------------- inputs and caches
+
+
+@dataclass
+class History:
+    """A batch of ragged histories, right-padded. vids, feedback (B, T) long (padding: vid -1,
+    feedback -1 = unknown); lengths (B,) = real items per user; time_bucket (B, T) or None."""
+
+    vids: Tensor
+    feedback: Tensor
+    lengths: Tensor
+    time_bucket: Tensor | None = None
+
+    @staticmethod
+    def from_lists(
+        vids: list[list[int]],
+        feedback: list[list[int]] | None = None,
+        time_bucket: list[list[int]] | None = None,
+        device=None,
+    ) -> History:
+        b, t = len(vids), max((len(v) for v in vids), default=0)
+
+        def pad(rows, fill):
+            out = torch.full((b, t), fill, dtype=torch.long, device=device)
+            for i, r in enumerate(rows):
+                out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+            return out
+
+        fb = feedback if feedback is not None else [[-1] * len(v) for v in vids]
+        return History(
+            vids=pad(vids, -1),
+            feedback=pad(fb, -1),
+            lengths=torch.tensor([len(v) for v in vids], dtype=torch.long, device=device),
+            time_bucket=pad(time_bucket, 0) if time_bucket is not None else None,
+        )
+
+
+@dataclass
+class Event:
+    """One new history item per user: vid, feedback (B,) long; time_bucket (B,) or None."""
+
+    vid: Tensor
+    feedback: Tensor
+    time_bucket: Tensor | None = None
+
+
+@dataclass
+class KVCache:
+    """Plain cache: per layer k, v (B, Hkv, L, D) with rotary applied; ``lengths`` (B,) counts
+    valid tokens including BOS (so a user's next token goes to position ``lengths``)."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    lengths: Tensor
+
+    def valid(self) -> Tensor:
+        return torch.arange(self.k[0].shape[2], device=self.lengths.device) < self.lengths[:, None]
+
+
+@dataclass
+class CompressedCache:
+    """CollectiveKV cache: per layer a LayerState (B, L, ...), position-free; ``lengths`` as in
+    KVCache."""
+
+    layers: list[LayerState]
+    lengths: Tensor
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes(self.lengths) for s in self.layers)
+
+
+Cache = KVCache | CompressedCache
+
+
+@dataclass
+class RankerOutput:
+    scores: Tensor  # (B, N); padded candidates -inf
+    aux_loss: Tensor  # CollectiveKV peak + balance (0 without CollectiveKV)
+
+
+@dataclass
+class Prefill:
+    """What a prefill computes: K/V on the fly (with gradients), the compressed state
+    (CollectiveKV only; it expands to the same K/V), the aux loss, final normed hidden states."""
+
+    kv: KVCache
+    state: CompressedCache | None
+    aux: Tensor
+    hidden: Tensor
+
+
+def time_gap_buckets(ts: Tensor, n_buckets: int) -> Tensor:
+    """Log2 buckets of the gap to the previous event: ts (B, T) -> (B, T) in [0, n_buckets)."""
+    gap = torch.diff(ts, dim=-1, prepend=ts[..., :1]).clamp(min=0).float()
+    return torch.log2(gap + 1).floor().long().clamp(max=n_buckets - 1)
+
+
+def ranking_loss(scores: Tensor, labels: Tensor) -> Tensor:
+    """Softmax cross-entropy over each row's candidates; labels (B,) = index of the positive."""
+    return F.cross_entropy(scores, labels)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: RankerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        qw, kvw = cfg.n_heads * cfg.head_dim, cfg.kv_width
+        self.q_proj = nn.Linear(cfg.d_model, qw, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.d_model, kvw, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.d_model, kvw, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(qw, cfg.d_model, bias=False)
+        self.ckv = CollectiveKV(cfg.d_model, kvw, cfg.collective_kv) if cfg.collective_kv else None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: RankerConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+
+class Ranker(nn.Module):
+    """See the module docstring. ``item_table`` (n_items, item_dim) is a buffer set with
+    ``set_item_table``; it lives on the ranker's device and is addressed by vid."""
+
+    def __init__(self, cfg: RankerConfig, n_items: int = 1) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("item_table", torch.zeros(n_items, cfg.item_dim), persistent=False)
+        self.adapter = nn.Sequential(
+            nn.Linear(cfg.item_dim, cfg.d_model), nn.SiLU(), nn.Linear(cfg.d_model, cfg.d_model)
+        )
+        self.feedback_emb = nn.Embedding(cfg.feedback_classes + 1, cfg.d_model)  # row 0: unknown
+        self.time_emb = nn.Embedding(cfg.time_buckets, cfg.d_model) if cfg.time_buckets else None
+        self.bos = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
+        self.cand_emb = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, 1)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    # -- item table and token embeddings
+
+    def set_item_table(self, vectors: Tensor) -> None:
+        """vectors (n_items, item_dim): row i is the item with vid i."""
+        if vectors.ndim != 2 or vectors.shape[1] != self.cfg.item_dim:
+            raise ValueError(
+                f"item table must be (n_items, {self.cfg.item_dim}), got {tuple(vectors.shape)}"
+            )
+        self.item_table = vectors.to(device=self.bos.device, dtype=self.bos.dtype).contiguous()
+
+    def _item_tokens(self, vids: Tensor) -> Tensor:
+        return self.adapter(self.item_table[vids.clamp(min=0)].to(self.bos.dtype))
+
+    def _history_tokens(self, vids: Tensor, feedback: Tensor, time_bucket: Tensor | None) -> Tensor:
+        x = self._item_tokens(vids) + self.feedback_emb((feedback + 1).clamp(min=0))
+        if self.time_emb is not None and time_bucket is not None:
+            x = x + self.time_emb(time_bucket)
+        return x
+
+    def _embed_history(self, h: History) -> tuple[Tensor, Tensor]:
+        """-> x (B, 1+T, d) with BOS first, lengths (B,) including BOS."""
+        b = h.vids.shape[0]
+        x = self._history_tokens(h.vids, h.feedback, h.time_bucket)
+        x = torch.cat([self.bos.expand(b, 1, -1), x], dim=1)
+        return self.drop(x), h.lengths + 1
+
+    def _candidate_tokens(self, vids: Tensor) -> Tensor:
+        return self._item_tokens(vids) + self.cand_emb
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.bos.dtype)
+
+    # -- prefill
+
+    def _prefill(self, h: History) -> Prefill:
+        cfg = self.cfg
+        x, lengths = self._embed_history(h)
+        b, length, _ = x.shape
+        pos = torch.arange(length, device=x.device)
+        valid = pos < lengths[:, None]
+        mask = (
+            torch.tril(torch.ones(length, length, dtype=torch.bool, device=x.device))
+            & valid[:, None, :]
+        )
+        mask = mask | torch.eye(length, dtype=torch.bool, device=x.device)  # padded rows: no NaN
+        cos, sin = self._rope(pos.expand(b, -1))
+        ks, vs, states, aux = [], [], [], x.new_zeros(())
+        for layer in self.layers:
+            att = layer.self_attn
+            hn = layer.input_layernorm(x)
+            q = apply_rope(split_heads(att.q_proj(hn), cfg.n_heads), cos, sin)
+            if att.ckv is not None:
+                k, v, routing = att.ckv(hn, valid)
+                states.append(routing.state)
+                aux = aux + routing.aux_loss
+            else:
+                k, v = att.k_proj(hn), att.v_proj(hn)
+            k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
+            v = split_heads(v, cfg.n_kv_heads)
+            ks.append(k)
+            vs.append(v)
+            x = x + self.drop(att.o_proj(merge_heads(masked_attention(q, k, v, mask))))
+            x = x + self.drop(layer.mlp(layer.post_attention_layernorm(x)))
+        state = CompressedCache(states, lengths) if states else None
+        return Prefill(KVCache(ks, vs, lengths), state, aux, self.norm(x))
+
+    @torch.no_grad()
+    def prefill(self, history: History) -> Cache:
+        """Encode histories into the cache the serving path keeps (compressed with CollectiveKV)."""
+        p = self._prefill(history)
+        return p.state if p.state is not None else p.kv
+
+    @torch.no_grad()
+    def hidden_states(self, history: History) -> Tensor:
+        """Final (normed) hidden states of [BOS] + history, (B, 1+T, d); padding rows undefined."""
+        return self._prefill(history).hidden
+
+    def expand(self, cache: Cache) -> KVCache:
+        """CompressedCache -> KVCache on this device (gather + concat + rotary); KVCache as is."""
+        if isinstance(cache, KVCache):
+            return cache
+        cfg = self.cfg
+        b, length = cache.layers[0].idx_k.shape
+        cos, sin = self._rope(torch.arange(length, device=cache.lengths.device).expand(b, -1))
+        ks, vs = [], []
+        for layer, state in zip(self.layers, cache.layers, strict=True):
+            k, v = layer.self_attn.ckv.expand(state, self.bos.dtype)
+            ks.append(apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin))
+            vs.append(split_heads(v, cfg.n_kv_heads))
+        return KVCache(ks, vs, cache.lengths)
+
+    # -- the shared step: new tokens at position `lengths` attending to the cache and themselves
+
+    def _step(self, kv: KVCache, x: Tensor, cached: bool) -> tuple[Tensor, list, Tensor]:
+        """x (B, N, d) -> final hidden (B, N, d), per-layer new-token K/V (or states), aux.
+
+        ``cached``: the new tokens become history (extend), so with CollectiveKV their K/V come
+        from the pools; otherwise (candidates) from the k/v projections.
+        """
+        cfg = self.cfg
+        b, n, _ = x.shape
+        cos, sin = self._rope(kv.lengths[:, None].expand(b, n))
+        valid = kv.valid()
+        new, aux = [], x.new_zeros(())
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            hn = layer.input_layernorm(x)
+            q = apply_rope(split_heads(att.q_proj(hn), cfg.n_heads), cos, sin)
+            if cached and att.ckv is not None:
+                k, v, routing = att.ckv(hn, torch.ones(b, n, dtype=torch.bool, device=x.device))
+                new.append(routing.state)
+                aux = aux + routing.aux_loss
+            else:
+                k, v = att.k_proj(hn), att.v_proj(hn)
+            k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
+            v = split_heads(v, cfg.n_kv_heads)
+            if not (cached and att.ckv is not None):
+                new.append((k, v))
+            out = mis_attention(q, kv.k[i], kv.v[i], valid, k, v)
+            x = x + self.drop(att.o_proj(merge_heads(out)))
+            x = x + self.drop(layer.mlp(layer.post_attention_layernorm(x)))
+        return x, new, aux
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(x)).squeeze(-1)
+
+    # -- scoring
+
+    @torch.no_grad()
+    def score(self, cache: Cache, candidate_vids: Tensor) -> Tensor:
+        """MIS fast path: candidate_vids (B, N) long, -1 = padding -> scores (B, N), pads -inf."""
+        kv = self.expand(cache)
+        x, _, _ = self._step(kv, self._candidate_tokens(candidate_vids), cached=False)
+        return self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
+
+    def forward(self, history: History, candidate_vids: Tensor) -> RankerOutput:
+        """Training forward: prefill + MIS fast path with gradients; see ``ranking_loss``."""
+        p = self._prefill(history)
+        x, _, _ = self._step(p.kv, self._candidate_tokens(candidate_vids), cached=False)
+        scores = self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
+        return RankerOutput(scores, p.aux)
+
+    @torch.no_grad()
+    def score_reference(self, history: History, candidate_vids: Tensor) -> Tensor:
+        """The oracle: history and candidates packed in one sequence with a dense boolean mask
+        and ``scaled_dot_product_attention``. candidate_vids (B, N) -> scores (B, N)."""
+        cfg = self.cfg
+        xh, lengths = self._embed_history(history)
+        xc = self._candidate_tokens(candidate_vids)
+        b, length, _ = xh.shape
+        n = xc.shape[1]
+        x = torch.cat([xh, xc], dim=1)
+        dev = x.device
+        hist_pos = torch.arange(length, device=dev).expand(b, -1)
+        pos = torch.cat([hist_pos, lengths[:, None].expand(b, n)], dim=1)
+        hist_valid = hist_pos < lengths[:, None]
+        s = length + n
+        is_hist = torch.arange(s, device=dev) < length
+        causal = torch.tril(torch.ones(s, s, dtype=torch.bool, device=dev))
+        # history rows: causal over valid history; candidate rows: all valid history + self
+        key_ok = torch.cat([hist_valid, torch.ones(b, n, dtype=torch.bool, device=dev)], dim=1)
+        mask = (causal & is_hist[None, :] & key_ok[:, None, :]) | torch.eye(
+            s, dtype=torch.bool, device=dev
+        )
+        cos, sin = self._rope(pos)
+        for layer in self.layers:
+            att = layer.self_attn
+            hn = layer.input_layernorm(x)
+            q = apply_rope(split_heads(att.q_proj(hn), cfg.n_heads), cos, sin)
+            k, v = att.k_proj(hn), att.v_proj(hn)
+            if att.ckv is not None:
+                kh, vh, _ = att.ckv(hn[:, :length], hist_valid)
+                k = torch.cat([kh, k[:, length:]], dim=1)
+                v = torch.cat([vh, v[:, length:]], dim=1)
+            k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
+            v = split_heads(v, cfg.n_kv_heads)
+            x = x + att.o_proj(merge_heads(masked_attention(q, k, v, mask)))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._head(x[:, length:]).masked_fill(candidate_vids < 0, float("-inf"))
+
+    # -- extend
+
+    @torch.no_grad()
+    def extend(self, cache: Cache, event: Event) -> Cache:
+        """Append one history token per user (a decode step against the cache); returns a new
+        cache, the input is left unchanged."""
+        kv = self.expand(cache)
+        tb = event.time_bucket[:, None] if event.time_bucket is not None else None
+        x = self._history_tokens(event.vid[:, None], event.feedback[:, None], tb)
+        _, new, _ = self._step(kv, x, cached=True)
+        rows = torch.arange(len(cache.lengths), device=cache.lengths.device)
+        at = cache.lengths
+
+        def put(t: Tensor, value: Tensor, dim: int) -> Tensor:
+            """Write value at index lengths[b] of dim ``dim`` (1: (B, L, ...), 2: (B, H, L, D))."""
+            if int(at.max()) >= t.shape[dim]:
+                pad_shape = list(t.shape)
+                pad_shape[dim] = 1
+                t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+            else:
+                t = t.clone()
+            # uint16 has no index_put: write through an int16 view of the same bits
+            view = t.view(torch.int16) if t.dtype == torch.uint16 else t
+            val = value.view(torch.int16) if value.dtype == torch.uint16 else value
+            if dim == 1:
+                view[rows, at] = val[:, 0]
+            else:
+                view[rows, :, at] = val[:, :, 0]
+            return t
+
+        if isinstance(cache, CompressedCache):
+            layers = [
+                LayerState(
+                    *(
+                        put(old, nw, 1)
+                        for old, nw in zip(
+                            (s.idx_k, s.idx_v, s.u_k, s.u_v),
+                            (n.idx_k, n.idx_v, n.u_k, n.u_v),
+                            strict=True,
+                        )
+                    )
+                )
+                for s, n in zip(cache.layers, new, strict=True)
+            ]
+            return CompressedCache(layers, cache.lengths + 1)
+        ks = [put(k, nk, 2) for k, (nk, _) in zip(cache.k, new, strict=True)]
+        vs = [put(v, nv, 2) for v, (_, nv) in zip(cache.v, new, strict=True)]
+        return KVCache(ks, vs, cache.lengths + 1)
+
+    # -- sizes
+
+    def full_kv_bytes(self, lengths: Tensor) -> int:
+        """Bytes the plain fp16 KV of these cached tokens would take."""
+        return full_kv_bytes(int(lengths.sum()), self.cfg.n_layers, self.cfg.kv_width)

@@ -1,0 +1,125 @@
+"""The full-text teacher: a causal LM reads a prompt of the user's history titles (with
+feedback) and one candidate title; its score is the logit of the "yes" token at the end.
+
+This is what DuoLM distils from and measures against: one full forward per candidate over
+text, where the ranker reads one vector per item. With ``TeacherConfig.model_dir`` None it
+is a small Llama built here (random init, tokenizer of the shipped MiniLM), so it runs on a CPU
+with nothing downloaded; any local Hugging Face causal-LM directory plugs in instead. The
+teacher knows nothing about datasets or Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from models.config import TeacherConfig
+from models.encoder import default_model_dir
+
+FEEDBACK_WORDS = {-1: "", 0: "hated", 1: "disliked", 2: "was neutral on", 3: "liked", 4: "loved"}
+
+
+@dataclass(frozen=True)
+class TeacherExample:
+    """One prompt: the user's history (oldest first) with feedback buckets, one candidate."""
+
+    history_titles: list[str]
+    history_feedback: list[int]
+    candidate_title: str
+
+
+def build_prompt(ex: TeacherExample, max_history: int) -> str:
+    """The teacher's prompt; the most recent ``max_history`` items, newest last."""
+    titles = ex.history_titles[-max_history:]
+    feedback = ex.history_feedback[-max_history:]
+    lines = []
+    for title, f in zip(titles, feedback, strict=True):
+        word = FEEDBACK_WORDS.get(int(f), "")
+        lines.append(f"- {title} ({word})" if word else f"- {title}")
+    history = "\n".join(lines) if lines else "- (nothing yet)"
+    return (
+        f"A user interacted with these items, oldest first:\n{history}\n"
+        f"Candidate: {ex.candidate_title}\n"
+        "Will the user interact with the candidate next? Answer:"
+    )
+
+
+class TextTeacher(nn.Module):
+    """Causal LM + tokenizer; ``score`` gives one logit per example."""
+
+    def __init__(self, cfg: TeacherConfig | None = None) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        self.cfg = cfg = cfg or TeacherConfig()
+        if cfg.model_dir:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir, local_files_only=True)
+            self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, local_files_only=True)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                default_model_dir(), local_files_only=True
+            )
+            torch.manual_seed(cfg.seed)
+            self.model = LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=len(self.tokenizer),
+                    hidden_size=cfg.d_model,
+                    intermediate_size=cfg.ffn_dim,
+                    num_hidden_layers=cfg.n_layers,
+                    num_attention_heads=cfg.n_heads,
+                    num_key_value_heads=cfg.n_heads,
+                    max_position_embeddings=cfg.max_length,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    tie_word_embeddings=True,
+                )
+            )
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        ids = self.tokenizer(cfg.yes_token, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"the tokenizer has no token for yes_token {cfg.yes_token!r}")
+        self.yes_id = ids[0]
+        self.model.eval()
+
+    def prompts(self, examples: list[TeacherExample]) -> list[str]:
+        return [build_prompt(ex, self.cfg.max_history) for ex in examples]
+
+    def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
+        """Left-padded and left-truncated, so the question and candidate always survive."""
+        self.tokenizer.padding_side = "left"
+        self.tokenizer.truncation_side = "left"
+        return self.tokenizer(
+            prompts,
+            add_special_tokens=False,
+            padding=True,
+            truncation=True,
+            max_length=self.cfg.max_length,
+            return_tensors="pt",
+        )
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """Tokenized prompts -> the "yes" logit at the last position, (B,)."""
+        dev = next(self.model.parameters()).device
+        mask = batch["attention_mask"].to(dev)
+        # left padding: positions count from each prompt's first real token
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(
+            input_ids=batch["input_ids"].to(dev), attention_mask=mask, position_ids=positions
+        ).logits
+        return logits[:, -1, self.yes_id]
+
+    @torch.no_grad()
+    def score(self, examples: list[TeacherExample], batch_size: int = 16) -> Tensor:
+        prompts = self.prompts(examples)
+        out = [
+            self.forward(self.tokenize(prompts[i : i + batch_size])).float().cpu()
+            for i in range(0, len(prompts), batch_size)
+        ]
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def save(self, path: str) -> None:
+        """Hugging Face format: the directory loads back as ``TeacherConfig(model_dir=path)``."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
