@@ -29,6 +29,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.prepare_data
+	$(PY) -m benchmarks.scoring
+	$(PY) -m benchmarks.scoring --dtype bf16
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -189,6 +189,7 @@ class Ranker(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, 1)
         self.drop = nn.Dropout(cfg.dropout)
+        self._rope_table: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     # -- item table and token embeddings
 
@@ -220,7 +221,17 @@ class Ranker(nn.Module):
         return self._item_tokens(vids) + self.cand_emb
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.bos.dtype)
+        """cos, sin for integer positions (...,) -> (..., head_dim), from a table that grows by
+        doubling: every score and expand call needs them, so they are computed once."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        key = (positions.device, self.bos.dtype)
+        table = self._rope_table.get(key)
+        if table is None or table[0].shape[0] < need:
+            size = max(need, 2 * (table[0].shape[0] if table is not None else 256))
+            pos = torch.arange(size, device=positions.device)
+            table = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.bos.dtype)
+            self._rope_table[key] = table
+        return table[0][positions], table[1][positions]
 
     # -- prefill
 
