@@ -126,6 +126,7 @@ class RankerConfig(_JsonConfig):
     time_buckets: int = 0  # 0: no time-gap embedding; else log2-bucketed gaps, this many buckets
     collective_kv: CollectiveKVConfig | None = None  # None: plain KV cache
     dropout: float = 0.0
+    item_input: str = "text"  # "text": encoder vectors by vid; "id": learned id embeddings
 
     def __post_init__(self) -> None:
         c = "RankerConfig"
@@ -155,6 +156,11 @@ class RankerConfig(_JsonConfig):
             "feedback_classes and time_buckets must be >= 0",
         )
         _check(0.0 <= self.dropout < 1.0, c, f"dropout must be in [0, 1), got {self.dropout}")
+        _check(
+            self.item_input in ("text", "id"),
+            c,
+            f"item_input must be 'text' or 'id', got {self.item_input!r}",
+        )
         if self.collective_kv is not None:
             _check(
                 self.collective_kv.user_dim < self.kv_width,

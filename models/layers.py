@@ -91,7 +91,8 @@ def mis_attention(
     """Multi-item scoring attention: each new token attends to the cached history and to itself,
     never to another new token - without materialising an N x N mask.
 
-    q (B, H, N, D); k_hist, v_hist (B, Hkv, L, D); hist_valid (B, L) bool;
+    q (B, H, N, D); k_hist, v_hist (B, Hkv, L, D); hist_valid (B, L) bool, or (B, N, L) when
+    each new token sees its own prefix of the history (training at several cut points);
     k_new, v_new (B, Hkv, N, D). Returns (B, H, N, D).
 
     The grouped query heads are folded into the row dimension so one matmul per KV head covers
@@ -103,7 +104,15 @@ def mis_attention(
     scale = d**-0.5
     qg = q.view(b, hkv, g, n, d)
     hist_logits = torch.matmul(qg.reshape(b, hkv, g * n, d), k_hist.transpose(-1, -2)) * scale
-    hist_logits = hist_logits.masked_fill(~hist_valid[:, None, None, :], float("-inf"))
+    if hist_valid.ndim == 2:
+        hist_logits = hist_logits.masked_fill(~hist_valid[:, None, None, :], float("-inf"))
+    else:
+        length = k_hist.shape[2]
+        hist_logits = (
+            hist_logits.view(b, hkv, g, n, length)
+            .masked_fill(~hist_valid[:, None, None], float("-inf"))
+            .view(b, hkv, g * n, length)
+        )
     self_logit = (qg * k_new.unsqueeze(2)).sum(-1).reshape(b, hkv, g * n, 1) * scale
     probs = torch.softmax(torch.cat([hist_logits, self_logit], dim=-1), dim=-1)
     out = torch.matmul(probs[..., :-1], v_hist)  # (B, Hkv, G*N, D)

@@ -178,6 +178,8 @@ class Ranker(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.register_buffer("item_table", torch.zeros(n_items, cfg.item_dim), persistent=False)
+        # the baseline without text: a learned vector per item id instead of the encoder's
+        self.item_emb = nn.Embedding(n_items, cfg.item_dim) if cfg.item_input == "id" else None
         self.adapter = nn.Sequential(
             nn.Linear(cfg.item_dim, cfg.d_model), nn.SiLU(), nn.Linear(cfg.d_model, cfg.d_model)
         )
@@ -195,6 +197,8 @@ class Ranker(nn.Module):
 
     def set_item_table(self, vectors: Tensor) -> None:
         """vectors (n_items, item_dim): row i is the item with vid i."""
+        if self.item_emb is not None:
+            raise ValueError("this ranker learns item-id embeddings (item_input='id'): no table")
         if vectors.ndim != 2 or vectors.shape[1] != self.cfg.item_dim:
             raise ValueError(
                 f"item table must be (n_items, {self.cfg.item_dim}), got {tuple(vectors.shape)}"
@@ -202,7 +206,11 @@ class Ranker(nn.Module):
         self.item_table = vectors.to(device=self.bos.device, dtype=self.bos.dtype).contiguous()
 
     def _item_tokens(self, vids: Tensor) -> Tensor:
-        return self.adapter(self.item_table[vids.clamp(min=0)].to(self.bos.dtype))
+        v = vids.clamp(min=0)
+        raw = (
+            self.item_emb(v) if self.item_emb is not None else self.item_table[v].to(self.bos.dtype)
+        )
+        return self.adapter(raw)
 
     def _history_tokens(self, vids: Tensor, feedback: Tensor, time_bucket: Tensor | None) -> Tensor:
         x = self._item_tokens(vids) + self.feedback_emb((feedback + 1).clamp(min=0))
@@ -294,16 +302,24 @@ class Ranker(nn.Module):
 
     # -- the shared step: new tokens at position `lengths` attending to the cache and themselves
 
-    def _step(self, kv: KVCache, x: Tensor, cached: bool) -> tuple[Tensor, list, Tensor]:
+    def _step(
+        self, kv: KVCache, x: Tensor, cached: bool, visible: Tensor | None = None
+    ) -> tuple[Tensor, list, Tensor]:
         """x (B, N, d) -> final hidden (B, N, d), per-layer new-token K/V (or states), aux.
 
         ``cached``: the new tokens become history (extend), so with CollectiveKV their K/V come
-        from the pools; otherwise (candidates) from the k/v projections.
+        from the pools; otherwise (candidates) from the k/v projections. ``visible`` (B, N):
+        how many cache tokens (BOS included) each new token sees - by default all of them; a
+        smaller value scores the token as if the history ended there (it sits at that position).
         """
         cfg = self.cfg
         b, n, _ = x.shape
-        cos, sin = self._rope(kv.lengths[:, None].expand(b, n))
-        valid = kv.valid()
+        if visible is None:
+            cos, sin = self._rope(kv.lengths[:, None].expand(b, n))
+            valid = kv.valid()
+        else:
+            cos, sin = self._rope(visible)
+            valid = torch.arange(kv.k[0].shape[2], device=x.device) < visible[..., None]
         new, aux = [], x.new_zeros(())
         for i, layer in enumerate(self.layers):
             att = layer.self_attn
@@ -332,14 +348,39 @@ class Ranker(nn.Module):
     @torch.no_grad()
     def score(self, cache: Cache, candidate_vids: Tensor) -> Tensor:
         """MIS fast path: candidate_vids (B, N) long, -1 = padding -> scores (B, N), pads -inf."""
-        kv = self.expand(cache)
-        x, _, _ = self._step(kv, self._candidate_tokens(candidate_vids), cached=False)
-        return self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
+        scores = self.score_tokens(cache, self._candidate_tokens(candidate_vids))
+        return scores.masked_fill(candidate_vids < 0, float("-inf"))
 
-    def forward(self, history: History, candidate_vids: Tensor) -> RankerOutput:
-        """Training forward: prefill + MIS fast path with gradients; see ``ranking_loss``."""
+    @torch.no_grad()
+    def candidate_tokens(self, vids: Tensor) -> Tensor:
+        """Input tokens of candidates, (..., d): user-independent, so a caller scoring the same
+        items for many users (a full catalog) computes them once."""
+        return self._candidate_tokens(vids)
+
+    @torch.no_grad()
+    def score_tokens(self, cache: Cache, tokens: Tensor) -> Tensor:
+        """MIS from precomputed candidate tokens (B, N, d), or (N, d) shared by all users."""
+        kv = self.expand(cache)
+        if tokens.ndim == 2:
+            tokens = tokens.expand(len(kv.lengths), -1, -1)
+        x, _, _ = self._step(kv, tokens, cached=False)
+        return self._head(x)
+
+    def forward(
+        self, history: History, candidate_vids: Tensor, cut: Tensor | None = None
+    ) -> RankerOutput:
+        """Training forward: prefill + MIS fast path with gradients; see ``ranking_loss``.
+
+        candidate_vids (B, N). ``cut`` (B, N), optional: candidate j is scored against the first
+        cut[b, j] history items only, as if the history ended there - one prefill then trains
+        on several next-item predictions per user (the causal prefix of a history does not
+        depend on what follows it). Default: the whole history.
+        """
         p = self._prefill(history)
-        x, _, _ = self._step(p.kv, self._candidate_tokens(candidate_vids), cached=False)
+        visible = None if cut is None else cut + 1  # + BOS
+        x, _, _ = self._step(
+            p.kv, self._candidate_tokens(candidate_vids), cached=False, visible=visible
+        )
         scores = self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
         return RankerOutput(scores, p.aux)
 

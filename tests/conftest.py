@@ -26,8 +26,9 @@ def data_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """An in-process local Ray that never joins a running cluster by accident."""
+def ray_local(s3_endpoint):
+    """An in-process local Ray that never joins a running cluster by accident. It starts after
+    the S3 endpoint so that its worker processes inherit the AWS_* variables."""
     import ray
 
     ray.init(

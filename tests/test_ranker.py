@@ -38,7 +38,8 @@ def tiny_config(ckv: CollectiveKVConfig | None = None, **kw) -> RankerConfig:
 def tiny_ranker(ckv=None, seed: int = 0, **kw) -> Ranker:
     torch.manual_seed(seed)
     model = Ranker(tiny_config(ckv, **kw), n_items=N_ITEMS).eval()
-    model.set_item_table(torch.randn(N_ITEMS, 16))
+    if model.cfg.item_input == "text":
+        model.set_item_table(torch.randn(N_ITEMS, 16))
     return model
 
 
@@ -311,3 +312,31 @@ def test_plain_cache_layout():
     assert isinstance(cache, KVCache)
     assert cache.k[0].shape == (4, 2, 8, 8)  # (B, Hkv, 1 + T_max, D)
     assert cache.lengths.tolist() == [8, 3, 2, 5]
+
+
+@pytest.mark.parametrize("mode", CKV_MODES)
+def test_training_at_cut_points_equals_scoring_each_prefix(mode):
+    """One prefill trains on several next-item predictions: a candidate scored at cut t sees
+    exactly what it would see after prefill(h[:t])."""
+    model = tiny_ranker(CKV_MODES[mode])
+    h = ragged_history()
+    c = candidates().clamp(min=0)
+    cut = torch.tensor([[1, 3, 7, 2, 5], [1, 2, 2, 1, 2], [1, 1, 1, 1, 1], [4, 3, 2, 1, 4]])
+    with torch.no_grad():
+        got = model(h, c, cut=cut).scores
+    for b in range(4):
+        for j in range(5):
+            t = int(cut[b, j])
+            prefix = History(h.vids[b : b + 1, :t], h.feedback[b : b + 1, :t], torch.tensor([t]))
+            want = model.score(model.prefill(prefix), c[b : b + 1, j : j + 1])
+            assert_close(got[b, j], want[0, 0], atol=ATOL, rtol=0)
+
+
+def test_item_id_inputs_learn_an_embedding_per_item():
+    model = tiny_ranker(None, item_input="id").train()
+    with pytest.raises(ValueError, match="item-id embeddings"):
+        model.set_item_table(torch.randn(N_ITEMS, 16))
+    out = model(ragged_history(), candidates().clamp(min=0))
+    out.scores.sum().backward()
+    grad = model.item_emb.weight.grad
+    assert grad[20].abs().sum() > 0 and grad[59].abs().sum() == 0  # 59 is never seen

@@ -1,0 +1,74 @@
+"""Training and evaluation batches from per-user sequences (vids), in plain PyTorch/NumPy.
+
+A user's training sequence is their split history (validation and test items are never
+trained on). Each training batch takes, per user, a random window of at most ``max_len + 1``
+items and ``cuts`` cut points t in it: the model reads window[:t] and must pick window[t] (the
+positive, candidate 0) among ``negatives`` items drawn uniformly from the catalog. All cut points
+of a user share one prefill (``Ranker.forward(..., cut=...)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from models.ranker import History
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    history: History
+    candidates: Tensor  # (B, C * (1 + K)) vids; per cut: positive first, then K negatives
+    cut: Tensor  # (B, C * (1 + K)) history items visible to each candidate
+    groups: int  # C: cut points per user; scores.view(B, C, 1 + K), label 0
+
+
+def _pad(rows: list[np.ndarray], fill: int) -> Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), max(width, 1)), fill, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out)
+
+
+def history_batch(vids: list[np.ndarray], feedback: list[np.ndarray], max_len: int) -> History:
+    """The most recent ``max_len`` items of each sequence, right-padded."""
+    v = [np.asarray(x[-max_len:]) for x in vids]
+    f = [np.asarray(x[-max_len:]) for x in feedback]
+    return History(_pad(v, -1), _pad(f, -1), torch.tensor([len(x) for x in v], dtype=torch.long))
+
+
+def training_batch(
+    vids: list[np.ndarray],
+    feedback: list[np.ndarray],
+    rng: np.random.Generator,
+    *,
+    n_items: int,
+    max_len: int,
+    cuts: int,
+    negatives: int,
+) -> TrainBatch:
+    """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items)."""
+    win_v, win_f, cand_rows, cut_rows = [], [], [], []
+    k = 1 + negatives
+    for v, f in zip(vids, feedback, strict=True):
+        n = len(v)
+        if n < 2:
+            raise ValueError("training sequences need at least 2 items")
+        end = int(rng.integers(2, n + 1))  # window = v[start:end], positives at 1..len-1
+        start = max(0, end - max_len - 1)
+        wv, wf = np.asarray(v[start:end]), np.asarray(f[start:end])
+        t = rng.integers(1, len(wv), size=cuts)  # cut points (with replacement for short windows)
+        neg = rng.integers(0, n_items, size=(cuts, negatives))
+        cand_rows.append(np.concatenate([wv[t][:, None], neg], axis=1).reshape(-1))
+        cut_rows.append(np.repeat(t, k))
+        # the last item is only ever a positive, never history: drop it from the prefill input
+        win_v.append(wv[:-1])
+        win_f.append(wf[:-1])
+    history = History(_pad(win_v, -1), _pad(win_f, -1), torch.tensor([len(x) for x in win_v]))
+    return TrainBatch(
+        history, torch.from_numpy(np.stack(cand_rows)), torch.from_numpy(np.stack(cut_rows)), cuts
+    )

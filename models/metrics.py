@@ -1,0 +1,61 @@
+"""Ranking metrics and the two evaluation protocols (full catalog, sampled negatives), in plain
+PyTorch on top of ``Ranker.prefill`` / ``score_tokens``. Ranks are 0-based: rank r means r
+items scored strictly higher than the target."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from models.ranker import History, Ranker
+
+
+def ndcg_at_k(ranks: Tensor, k: int = 10) -> Tensor:
+    """Per-user NDCG@k with one relevant item: 1 / log2(rank + 2) if rank < k else 0."""
+    r = ranks.to(torch.float64)
+    return torch.where(r < k, 1.0 / torch.log2(r + 2.0), torch.zeros_like(r))
+
+
+def hit_at_k(ranks: Tensor, k: int = 10) -> Tensor:
+    return (ranks < k).to(torch.float64)
+
+
+@torch.no_grad()
+def full_catalog_ranks(
+    model: Ranker,
+    history: History,
+    targets: Tensor,
+    exclude: list[Tensor],
+    n_items: int,
+    chunk: int = 256,
+) -> Tensor:
+    """Rank of each user's target among all ``n_items`` items minus ``exclude[b]`` (vids the
+    user already has). targets (B,) vids -> ranks (B,) long.
+
+    One prefill per user; the catalog is scored in chunks by MIS, its candidate tokens computed
+    once per chunk for the whole batch.
+    """
+    cache = model.prefill(history)
+    dev = targets.device
+    scores = torch.empty(len(targets), n_items, device=dev)
+    for start in range(0, n_items, chunk):
+        vids = torch.arange(start, min(start + chunk, n_items), device=dev)
+        scores[:, start : start + len(vids)] = model.score_tokens(
+            cache, model.candidate_tokens(vids)
+        )
+    target_scores = scores.gather(1, targets[:, None])
+    for b, ex in enumerate(exclude):
+        if len(ex):
+            scores[b, ex.to(dev)] = -math.inf
+    scores.scatter_(1, targets[:, None], target_scores)  # the target itself is never excluded
+    return (scores > target_scores).sum(1)
+
+
+@torch.no_grad()
+def sampled_ranks(model: Ranker, history: History, targets: Tensor, negatives: Tensor) -> Tensor:
+    """Rank of each target among itself and its sampled negatives (B, K) -> ranks (B,)."""
+    cands = torch.cat([targets[:, None], negatives], dim=1)
+    scores = model.score(model.prefill(history), cands)
+    return (scores[:, 1:] > scores[:, :1]).sum(1)

@@ -1,0 +1,71 @@
+"""Published datasets and item vectors, read into the forms the models use (vid space).
+
+No Ray here: the jobs wrap these readers in Ray Data where the work is distributed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import torch
+
+from pipelines import storage
+from pipelines.sources import InputError
+
+
+def read_dataset_table(dataset_uri: str, name: str) -> pl.DataFrame:
+    storage.read_marker(dataset_uri)
+    return pl.from_arrow(storage.read_parquet(storage.join(dataset_uri, f"{name}.parquet")))
+
+
+def user_sequences(dataset_uri: str) -> pl.DataFrame:
+    """One row per split user, every item as a vid:
+    user_id, hist (list[int]), hist_fb (list[int]), valid, valid_fb, test, test_fb, negatives."""
+    items = read_dataset_table(dataset_uri, "items").select("item_id", "vid")
+    splits = read_dataset_table(dataset_uri, "splits")
+    lut = dict(zip(items["item_id"].to_list(), items["vid"].to_list(), strict=True))
+
+    def to_vid(col: str) -> pl.Expr:
+        return pl.col(col).replace_strict(lut, return_dtype=pl.Int64)
+
+    def list_to_vid(col: str) -> pl.Expr:
+        return (
+            pl.col(col)
+            .cast(pl.List(pl.Int64))
+            .list.eval(pl.element().replace_strict(lut, return_dtype=pl.Int64))
+        )
+
+    return splits.select(
+        "user_id",
+        list_to_vid("history").alias("hist"),
+        pl.col("history_feedback").cast(pl.List(pl.Int64)).alias("hist_fb"),
+        to_vid("valid_item").alias("valid"),
+        pl.col("valid_feedback").cast(pl.Int64).alias("valid_fb"),
+        to_vid("test_item").alias("test"),
+        pl.col("test_feedback").cast(pl.Int64).alias("test_fb"),
+        list_to_vid("negatives").alias("negatives"),
+    )
+
+
+def vectors_uri(out: str, dataset: str, encoder_tag: str) -> str:
+    """Item vectors of one dataset's catalog by one encoder."""
+    return storage.join(out, "item_vectors", dataset, encoder_tag)
+
+
+def item_table(vectors_dir: str, n_items: int) -> tuple[torch.Tensor, int]:
+    """The (n_items, dim) float32 table by vid from a published item_vectors folder; items
+    without a vector (skipped by the encoder) get zeros. Returns (table, missing count)."""
+    marker = storage.read_marker(vectors_dir)
+    t = storage.read_parquet(
+        storage.join(vectors_dir, "vectors.parquet"), columns=["vid", "vector"]
+    )
+    dim = int(marker["dim"])
+    vids = t.column("vid").to_numpy()
+    if len(vids) and int(vids.max()) >= n_items:
+        raise InputError(
+            f"{vectors_dir}: vid {int(vids.max())} is outside the catalog of {n_items}"
+        )
+    flat = t.column("vector").combine_chunks().values.to_numpy(zero_copy_only=False)
+    table = np.zeros((n_items, dim), dtype=np.float32)
+    table[vids] = flat.reshape(len(vids), dim).astype(np.float32)
+    return torch.from_numpy(table), n_items - len(vids)

@@ -1,0 +1,470 @@
+"""Train the personalized ranker with Ray Train, fed by Ray Data.
+
+    python -m pipelines.train_ranker --dataset-uri out/datasets/ml-latest-small \\
+        --vectors-uri out/item_vectors/ml-latest-small/minilm-l6-v2-265da472 --out out \\
+        [--run NAME]
+        [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text|id]
+
+Each worker of a ``TorchTrainer`` (gloo DDP on CPUs, NCCL on GPUs) reads its shard of the users
+from Ray Data; every batch samples, per user, a window of the history, ``--cuts`` cut points and
+``--negatives`` uniform negatives per cut (``models.batches``), and trains the MIS forward with
+softmax cross-entropy over each cut's candidates (positive first) plus the CollectiveKV aux loss
+when enabled. So training sees exactly the attention pattern serving uses.
+
+After every epoch the workers compute validation NDCG@10 over the full catalog for
+``--val-users`` users (split across workers, each user's validation item ranked against every
+item not in their history), and rank 0 reports a checkpoint (weights, ranker config, optimizer,
+progress). Ray Train keeps them under ``<out>/checkpoints/<run>/train/``; ``FailureConfig``
+restarts failed workers from the latest one; ``--resume`` starts a new attempt from the latest
+checkpoint of earlier attempts. Training stops early after ``--patience`` epochs without a better
+validation score. The best epoch is then published to ``<out>/checkpoints/<run>/``:
+``model.pt``, ``ranker.json``, ``metrics.json`` (per-epoch history) and ``_SUCCESS.json`` naming
+the best epoch - the checkpoint the other jobs load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.config import CollectiveKVConfig, RankerConfig
+from pipelines import jobs, storage
+from pipelines.data import item_table, user_sequences
+from pipelines.sources import InputError
+
+log = logging.getLogger("kvrank.train_ranker")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train; the model's shape is the RankerConfig beside it."""
+
+    epochs: int = 30
+    batch_size: int = 64  # users per step per worker
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_len: int = 200  # most recent history items a user is read with
+    cuts: int = 8  # next-item predictions per user per step (one shared prefill)
+    negatives: int = 31  # uniform negatives per prediction
+    patience: int = 4  # epochs without a better validation NDCG@10 before stopping
+    val_users: int = 128  # users in the full-catalog validation
+    seed: int = 0
+    workers: int = 1
+    use_gpu: bool = False
+    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
+
+    def __post_init__(self) -> None:
+        for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
+            if getattr(self, f) <= 0:
+                raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+
+
+def checkpoint_uri(out: str, run: str) -> str:
+    return storage.join(out, "checkpoints", run)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def _validate(
+    model, val: dict, n_items: int, max_len: int, rank: int, world: int
+) -> tuple[float, float, int]:
+    """(sum of NDCG@10, sum of HR@10, users) over this worker's part of the validation users."""
+    from models.batches import history_batch
+    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k
+
+    idx = list(range(rank, len(val["valid"]), world))
+    if not idx:
+        return 0.0, 0.0, 0
+    nd, hr = 0.0, 0.0
+    m = _unwrap(model).eval()
+    for start in range(0, len(idx), 32):
+        part = idx[start : start + 32]
+        hist = history_batch(
+            [val["hist"][i] for i in part], [val["hist_fb"][i] for i in part], max_len
+        )
+        targets = torch.tensor([val["valid"][i] for i in part])
+        exclude = [torch.as_tensor(val["hist"][i]) for i in part]
+        ranks = full_catalog_ranks(m, hist, targets, exclude, n_items)
+        nd += float(ndcg_at_k(ranks).sum())
+        hr += float(hit_at_k(ranks).sum())
+    return nd, hr, len(idx)
+
+
+def _load_val(dataset_uri: str, n: int, seed: int) -> dict:
+    seqs = user_sequences(dataset_uri)
+    seqs = seqs.filter(seqs["hist"].list.len() >= 1)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(seqs.height, size=min(n, seqs.height), replace=False))
+    sub = seqs[pick]
+    return {
+        "hist": [np.asarray(x) for x in sub["hist"].to_list()],
+        "hist_fb": [np.asarray(x) for x in sub["hist_fb"].to_list()],
+        "valid": sub["valid"].to_list(),
+    }
+
+
+def train_loop(config: dict) -> None:
+    """Runs on every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    from models.batches import training_batch
+    from models.ranker import Ranker, ranking_loss
+
+    tc = TrainConfig(**config["train"])
+    rc = RankerConfig.from_dict(config["ranker"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(config["threads"])
+    torch.manual_seed(tc.seed)
+    n_items = config["n_items"]
+    model = Ranker(rc, n_items=n_items)
+    if rc.item_input == "text":
+        table, _ = item_table(config["vectors_uri"], n_items)
+        model.set_item_table(table)
+    start_epoch, best, bad, history = 0, -1.0, 0, []
+    opt_state = None
+    ckpt = ray.train.get_checkpoint()
+    source = ckpt.path if ckpt else config.get("resume_from")
+    if source:
+        with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
+            state = torch.load(_open(d, "state.pt"), map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        opt_state = state["optimizer"]
+        start_epoch, best, bad, history = (
+            state["epoch"] + 1,
+            state["best"],
+            state["bad"],
+            state["history"],
+        )
+    model = ray.train.torch.prepare_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    if opt_state:
+        opt.load_state_dict(opt_state)
+    val = _load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
+    shard = ray.train.get_dataset_shard("train")
+    dev = next(model.parameters()).device
+    for epoch in range(start_epoch, tc.epochs):
+        t0 = time.perf_counter()
+        model.train()
+        rng = np.random.default_rng([tc.seed, epoch, rank])
+        losses, aux_losses, steps = [], [], 0
+        for batch in shard.iter_batches(
+            batch_size=tc.batch_size,
+            batch_format="numpy",
+            local_shuffle_buffer_size=4 * tc.batch_size,
+            local_shuffle_seed=tc.seed + epoch,
+        ):
+            tb = training_batch(
+                list(batch["hist"]),
+                list(batch["hist_fb"]),
+                rng,
+                n_items=n_items,
+                max_len=tc.max_len,
+                cuts=tc.cuts,
+                negatives=tc.negatives,
+            )
+            h = tb.history
+            h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
+            out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev))
+            scores = out.scores.view(-1, 1 + tc.negatives)
+            loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
+            opt.zero_grad(set_to_none=True)
+            (loss + out.aux_loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            aux_losses.append(float(out.aux_loss))
+            steps += 1
+        train_seconds = time.perf_counter() - t0
+        nd, hr, n = (
+            _validate(model, val, n_items, tc.max_len, rank, world) if val else (0.0, 0.0, 0)
+        )
+        totals = torch.tensor([nd, hr, n, sum(losses), len(losses)], dtype=torch.float64)
+        if world > 1:
+            torch.distributed.all_reduce(totals)
+        nd, hr, n, loss_sum, loss_n = totals.tolist()
+        val_ndcg = nd / max(n, 1)
+        improved = val_ndcg > best
+        best, bad = (val_ndcg, 0) if improved else (best, bad + 1)
+        metrics = {
+            "epoch": epoch,
+            "loss": loss_sum / max(loss_n, 1),
+            "aux_loss": float(np.mean(aux_losses)) if aux_losses else 0.0,
+            "val_ndcg10": val_ndcg,
+            "val_hr10": hr / max(n, 1),
+            "val_users": int(n),
+            "best_val_ndcg10": best,
+            "steps": steps,
+            "train_seconds": train_seconds,
+            "epoch_seconds": time.perf_counter() - t0,
+        }
+        history.append(metrics)
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                torch.save(
+                    {
+                        "model": _unwrap(model).state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "epoch": epoch,
+                        "best": best,
+                        "bad": bad,
+                        "history": history,
+                    },
+                    os.path.join(d, "state.pt"),
+                )
+                with open(os.path.join(d, "ranker.json"), "w") as f:
+                    f.write(rc.to_json())
+                with open(os.path.join(d, "metrics.json"), "w") as f:
+                    json.dump(metrics, f)
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=checkpoint)
+        if bad >= tc.patience:
+            break
+
+
+def _open(folder: str, name: str):
+    return io.BytesIO(storage.read_bytes(storage.join(folder, name)))
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+def list_checkpoints(train_root: str) -> list[str]:
+    """Every checkpoint folder under ``train_root`` (all attempts), oldest first by epoch."""
+    fs, path = storage.filesystem(train_root)
+    try:
+        found = fs.glob(f"{path.rstrip('/')}/*/checkpoint_*/metrics.json")
+    except FileNotFoundError:
+        return []
+    prefix = "s3://" if train_root.startswith("s3://") else ""
+    folders = [prefix + f.rsplit("/", 1)[0] for f in found]
+    epochs = [storage.read_json(storage.join(f, "metrics.json"))["epoch"] for f in folders]
+    return [f for _, f in sorted(zip(epochs, folders, strict=True))]
+
+
+def train(
+    dataset_uri: str,
+    vectors_uri: str | None,
+    out: str,
+    run: str,
+    rc: RankerConfig,
+    tc: TrainConfig,
+    resume: bool = False,
+) -> dict:
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.ray_runtime import init_ray
+
+    t0 = time.perf_counter()
+    marker = storage.read_marker(dataset_uri)
+    n_items = int(marker["items"])
+    if rc.item_input == "text":
+        if not vectors_uri:
+            raise InputError("--vectors-uri is required with --item-input text")
+        vmarker = storage.read_marker(vectors_uri)
+        if int(vmarker["dim"]) != rc.item_dim:
+            rc = dataclasses.replace(rc, item_dim=int(vmarker["dim"]))
+    seqs = user_sequences(dataset_uri)
+    train_rows = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
+    if train_rows.height == 0:
+        raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
+    root = checkpoint_uri(out, run)
+    train_root = storage.join(root, "train")
+    resume_from = None
+    if resume:
+        previous = list_checkpoints(train_root)
+        if not previous:
+            raise InputError(f"--resume: no checkpoint under {train_root}")
+        resume_from = previous[-1]
+        log.info("resuming from %s", resume_from)
+    init_ray()
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    ds = ray.data.from_arrow(train_rows.to_arrow())
+    attempt = f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = {
+        "train": dataclasses.asdict(tc),
+        "ranker": rc.to_dict(),
+        "n_items": n_items,
+        "vectors_uri": vectors_uri,
+        "dataset_uri": dataset_uri,
+        "resume_from": resume_from,
+        "threads": max(1, (os.cpu_count() or 1) // tc.workers),
+    }
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=tc.workers,
+            use_gpu=tc.use_gpu,
+            resources_per_worker={"CPU": min(1, cpus / (tc.workers + 1))},
+        ),
+        datasets={"train": ds},
+        run_config=ray.train.RunConfig(
+            name=attempt,
+            storage_path=train_root,
+            failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    log.info(
+        "training %s on %d users, %d items, %d worker(s)",
+        run,
+        train_rows.height,
+        n_items,
+        tc.workers,
+    )
+    trainer.fit()
+    checkpoints = list_checkpoints(train_root)
+    if not checkpoints:
+        raise RuntimeError(f"training produced no checkpoint under {train_root}")
+    last = storage.read_json(storage.join(checkpoints[-1], "metrics.json"))
+    best_dir = max(
+        checkpoints, key=lambda f: storage.read_json(storage.join(f, "metrics.json"))["val_ndcg10"]
+    )
+    state = torch.load(_open(best_dir, "state.pt"), map_location="cpu", weights_only=False)
+    best = storage.read_json(storage.join(best_dir, "metrics.json"))
+    history = torch.load(
+        _open(checkpoints[-1], "state.pt"), map_location="cpu", weights_only=False
+    )["history"]
+    buf = io.BytesIO()
+    torch.save(state["model"], buf)
+    pub = storage.Publication(root)
+    summary = {
+        "job": "train_ranker",
+        "run": run,
+        "item_input": rc.item_input,
+        "users": train_rows.height,
+        "items": n_items,
+        "epochs_run": len(history),
+        "best_epoch": best["epoch"],
+        "val_ndcg10": round(best["val_ndcg10"], 4),
+        "val_hr10": round(best["val_hr10"], 4),
+        "last_epoch": last["epoch"],
+        "mean_epoch_seconds": round(float(np.mean([h["epoch_seconds"] for h in history])), 1),
+        "workers": tc.workers,
+        "checkpoint": root,
+    }
+    try:
+        pub.put_bytes("model.pt", buf.getvalue())
+        pub.put_bytes("ranker.json", rc.to_json().encode())
+        pub.put_bytes("train.json", json.dumps(dataclasses.asdict(tc), indent=2).encode())
+        pub.put_bytes("metrics.json", json.dumps(history, indent=2).encode())
+        pub.publish(
+            {
+                "kind": "ranker_checkpoint",
+                "dataset_uri": dataset_uri,
+                "vectors_uri": vectors_uri,
+                "best_epoch": best["epoch"],
+                "val_ndcg10": best["val_ndcg10"],
+                "source": best_dir,
+                "n_items": n_items,
+            }
+        )
+    except BaseException:
+        pub.discard()
+        raise
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    return summary
+
+
+def load_checkpoint(uri: str):
+    """(Ranker with weights, its marker) from a published checkpoint folder; the caller sets the
+    item table for text inputs."""
+    from models.ranker import Ranker
+
+    marker = storage.read_marker(uri)
+    rc = RankerConfig.from_json(storage.read_bytes(storage.join(uri, "ranker.json")).decode())
+    model = Ranker(rc, n_items=int(marker["n_items"]))
+    state = torch.load(_open(uri, "model.pt"), map_location="cpu", weights_only=True)
+    model.load_state_dict(state, strict=False)
+    return model.eval(), marker
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.train_ranker", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--vectors-uri", help="item_vectors folder (needed with --item-input text)")
+    p.add_argument(
+        "--out", required=True, help="output root; checkpoints go to <out>/checkpoints/<run>/"
+    )
+    p.add_argument("--run", default=None, help="run name (default: <dataset>-<item-input>)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the run's latest checkpoint"
+    )
+    p.add_argument("--item-input", choices=["text", "id"], default="text")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("use_gpu",):
+            continue
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--use-gpu", action="store_true")
+    g = p.add_argument_group("ranker shape (CPU-sized defaults)")
+    g.add_argument("--d-model", type=int, default=128)
+    g.add_argument("--n-layers", type=int, default=2)
+    g.add_argument("--n-heads", type=int, default=4)
+    g.add_argument("--n-kv-heads", type=int, default=4)
+    g.add_argument("--head-dim", type=int, default=64)
+    g.add_argument("--ffn-dim", type=int, default=256)
+    g.add_argument("--dropout", type=float, default=0.1)
+    g.add_argument("--pool-size", type=int, default=0, help="CollectiveKV pool size M (0: off)")
+    g.add_argument("--user-dim", type=int, default=1, help="CollectiveKV d_u")
+    return p.parse_args(argv)
+
+
+def configs_from_args(
+    a: argparse.Namespace, feedback_classes: int
+) -> tuple[RankerConfig, TrainConfig]:
+    tc = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
+    ckv = CollectiveKVConfig(pool_size=a.pool_size, user_dim=a.user_dim) if a.pool_size else None
+    rc = RankerConfig(
+        item_dim=384 if a.item_input == "text" else a.d_model,
+        d_model=a.d_model,
+        n_layers=a.n_layers,
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        head_dim=a.head_dim,
+        ffn_dim=a.ffn_dim,
+        dropout=a.dropout,
+        feedback_classes=feedback_classes,
+        collective_kv=ckv,
+        item_input=a.item_input,
+    )
+    return rc, tc
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+
+    def job() -> dict:
+        marker = storage.read_marker(a.dataset_uri)
+        rc, tc = configs_from_args(a, int(marker.get("feedback_classes", 5)))
+        run = a.run or f"{marker['name']}-{a.item_input}"
+        return train(a.dataset_uri, a.vectors_uri, a.out, run, rc, tc, resume=a.resume)
+
+    return jobs.run(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

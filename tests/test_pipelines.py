@@ -1,0 +1,284 @@
+"""The offline Ray jobs on a tiny synthetic catalog: incremental encoding, Ray Train with two
+workers, checkpoint and resume, evaluation, and the whole chain on s3:// (moto)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from pipelines import encode_items, evaluate, prepare_data, storage, train_ranker
+from pipelines.data import item_table
+
+GENRES = ["space opera", "cooking show", "jazz album", "chess manual", "garden tools"]
+N_ITEMS, N_USERS = 60, 40
+
+
+def write_catalog(folder, texts: dict[int, str]) -> str:
+    path = folder / "items.csv"
+    pl.DataFrame({"item_id": list(texts), "title": list(texts.values())}).write_csv(path)
+    return str(path)
+
+
+def base_texts() -> dict[int, str]:
+    return {i: f"{GENRES[i % 5]} number {i}" for i in range(N_ITEMS)}
+
+
+def write_sequences(folder) -> str:
+    """Each user walks through one genre in order: the next item is predictable."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for u in range(N_USERS):
+        g = u % 5
+        genre_items = [i for i in range(N_ITEMS) if i % 5 == g]
+        start = int(rng.integers(0, 4))
+        rows.append({"user_id": u, "item_ids": " ".join(map(str, genre_items[start : start + 7]))})
+    path = folder / "seq.tsv"
+    pl.DataFrame(rows).write_csv(path, separator="\t")
+    return str(path)
+
+
+def prepare(folder, out: str, items_csv: str, seq: str) -> str:
+    rc = prepare_data.main(
+        [
+            "--dataset",
+            "tiny",
+            "--items",
+            items_csv,
+            "--sequences",
+            seq,
+            "--negatives",
+            "10",
+            "--out",
+            out,
+        ]
+    )
+    assert rc == 0
+    return prepare_data.dataset_uri(out, "tiny")
+
+
+def run_json(capsys, main, args: list[str]) -> dict:
+    capsys.readouterr()
+    rc = main(args)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    seq = write_sequences(tmp_path)
+    items = write_catalog(tmp_path, base_texts())
+    out = str(tmp_path / "out")
+    return {"out": out, "dataset": prepare(tmp_path, out, items, seq), "seq": seq, "dir": tmp_path}
+
+
+def test_encoding_is_incremental(tiny, ray_local, capsys):
+    args = [
+        "--dataset-uri",
+        tiny["dataset"],
+        "--out",
+        tiny["out"],
+        "--actors",
+        "1",
+        "--batch-size",
+        "16",
+        "--max-chars",
+        "60",
+    ]
+    first = run_json(capsys, encode_items.main, args)
+    assert (first["encoded"], first["reused"], first["dropped"], first["errors"]) == (60, 0, 0, 0)
+    old = storage.read_parquet(storage.join(first["out"], "vectors.parquet")).to_pandas()
+    old_vec = {r.item_id: np.asarray(r.vector) for r in old.itertuples()}
+
+    # the catalog changes: 2 texts edited, item 55 removed, items 60..62 new - one of them
+    # holds only control characters and one is too long: both reported, neither fatal
+    texts = base_texts()
+    texts[7] = "a completely different jazz record"
+    texts[8] = "chess manual, revised edition"
+    del texts[55]  # no user has it
+    texts[60] = "\x07\x07"
+    texts[61] = "garden tools " * 10
+    texts[62] = "a new space opera"
+    prepare(tiny["dir"], tiny["out"], write_catalog(tiny["dir"], texts), tiny["seq"])
+    second = run_json(capsys, encode_items.main, args)
+    assert (second["encoded"], second["reused"], second["dropped"], second["errors"]) == (
+        3,
+        57,
+        1,
+        2,
+    )
+    errors = storage.read_parquet(storage.join(second["out"], "errors.parquet")).to_pylist()
+    assert sorted((e["item_id"], e["reason"]) for e in errors) == [
+        (60, "empty text after cleaning"),
+        (61, "text longer than 60 characters"),
+    ]
+    new = storage.read_parquet(storage.join(second["out"], "vectors.parquet")).to_pandas()
+    items = prepare_data.load_dataset(tiny["dataset"])["items"]
+    vid_of = dict(zip(items["item_id"].to_list(), items["vid"].to_list(), strict=True))
+    for r in new.itertuples():
+        assert r.vid == vid_of[r.item_id]  # vids follow the current catalog
+        if r.item_id in old_vec and r.item_id not in (7, 8):
+            assert np.array_equal(np.asarray(r.vector), old_vec[r.item_id])  # reused as stored
+    assert 55 not in set(new["item_id"])
+    from models.encoder import ItemEncoder
+
+    fresh = ItemEncoder().encode([texts[7], texts[62]]).numpy()
+    got = {r.item_id: np.asarray(r.vector, dtype=np.float32) for r in new.itertuples()}
+    np.testing.assert_allclose(got[7], fresh[0], atol=2e-3)
+    np.testing.assert_allclose(got[62], fresh[1], atol=2e-3)
+    # --full re-encodes everything
+    full = run_json(capsys, encode_items.main, [*args, "--full"])
+    assert (full["encoded"], full["reused"], full["errors"]) == (60, 0, 2)
+    table, missing = item_table(full["out"], len(items))
+    assert missing == 2 and table.shape == (len(items), 384)
+
+
+TINY_SHAPE = [
+    "--d-model",
+    "32",
+    "--n-heads",
+    "2",
+    "--n-kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--ffn-dim",
+    "64",
+    "--batch-size",
+    "8",
+    "--cuts",
+    "2",
+    "--negatives",
+    "5",
+    "--val-users",
+    "8",
+    "--max-len",
+    "10",
+]
+
+
+def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys):
+    enc = run_json(
+        capsys,
+        encode_items.main,
+        ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--actors", "1"],
+    )
+    base = [
+        "--dataset-uri",
+        tiny["dataset"],
+        "--vectors-uri",
+        enc["out"],
+        "--out",
+        tiny["out"],
+        "--run",
+        "r",
+        "--workers",
+        "2",
+        "--patience",
+        "10",
+        *TINY_SHAPE,
+    ]
+    first = run_json(capsys, train_ranker.main, [*base, "--epochs", "2"])
+    assert (first["epochs_run"], first["last_epoch"], first["workers"]) == (2, 1, 2)
+    root = train_ranker.checkpoint_uri(tiny["out"], "r")
+    marker = storage.read_marker(root)
+    assert marker["best_epoch"] in (0, 1)
+    history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
+    assert [h["epoch"] for h in history] == [0, 1]
+    assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
+    assert len(train_ranker.list_checkpoints(storage.join(root, "train"))) == 2
+
+    resumed = run_json(capsys, train_ranker.main, [*base, "--epochs", "3", "--resume"])
+    assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
+    history2 = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
+    assert history2[:2] == history  # the first two epochs are carried over, not redone
+    model, _ = train_ranker.load_checkpoint(root)
+    assert model.cfg.d_model == 32
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
+    rc = train_ranker.main(
+        [
+            "--dataset-uri",
+            tiny["dataset"],
+            "--out",
+            tiny["out"],
+            "--run",
+            "none",
+            "--item-input",
+            "id",
+            "--resume",
+        ]
+    )
+    assert rc == 2
+    assert "--resume: no checkpoint under" in capsys.readouterr().err
+
+
+def test_metrics_on_a_hand_made_case():
+    from models.config import RankerConfig
+    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k
+    from models.ranker import History, Ranker
+
+    ranks = torch.tensor([0, 1, 9, 10, 500])
+    assert ndcg_at_k(ranks).tolist() == pytest.approx([1.0, 1 / np.log2(3), 1 / np.log2(11), 0, 0])
+    assert hit_at_k(ranks).tolist() == [1, 1, 1, 0, 0]
+    assert evaluate.summarize(ranks.numpy())["hr10"] == pytest.approx(0.6)
+
+    # a model whose score of item v is -v: item 5 is beaten by items 0..4, minus the excluded
+    model = Ranker(
+        RankerConfig(
+            item_dim=4, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8, n_layers=1
+        ),
+        n_items=20,
+    )
+    model.candidate_tokens = lambda vids: vids.float()[:, None].expand(-1, 8)
+    model.score_tokens = lambda cache, tokens: -tokens[:, 0].expand(len(cache.lengths), -1)
+    h = History.from_lists([[1, 2], [3]])
+    got = full_catalog_ranks(
+        model, h, torch.tensor([5, 5]), [torch.tensor([1, 2]), torch.tensor([5])], 20, chunk=7
+    )
+    assert got.tolist() == [3, 5]  # user 0: items 0, 3, 4 beat 5; user 1: 0..4 (5 is the target)
+
+    users = pl.DataFrame({"input": [[0, 0, 1], [2]], "test": [1, 3], "negatives": [[2, 3], [0, 1]]})
+    full, sampled = evaluate.popular_ranks(users, 4)
+    # counts: item0 2, item1 1, item2 1, item3 0
+    assert full.tolist() == [0, 2] and sampled.tolist() == [0, 2]
+
+
+def test_whole_chain_on_s3(tiny, s3_bucket, ray_local, capsys):
+    out = f"{s3_bucket}/kv"
+    ds = prepare(tiny["dir"], out, write_catalog(tiny["dir"], base_texts()), tiny["seq"])
+    enc = run_json(capsys, encode_items.main, ["--dataset-uri", ds, "--out", out, "--actors", "1"])
+    assert enc["out"].startswith("s3://") and enc["encoded"] == 60
+    tr = run_json(
+        capsys,
+        train_ranker.main,
+        [
+            "--dataset-uri",
+            ds,
+            "--vectors-uri",
+            enc["out"],
+            "--out",
+            out,
+            "--run",
+            "s3run",
+            "--epochs",
+            "1",
+            *TINY_SHAPE,
+        ],
+    )
+    assert tr["checkpoint"] == f"{out}/checkpoints/s3run"
+    ev = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--checkpoint", tr["checkpoint"], "--out", out, "--actors", "1"],
+    )
+    assert ev["users"] == N_USERS and ev["report"].startswith("s3://")
+    report = json.loads(storage.read_bytes(storage.join(ev["report"], "metrics.json")))
+    assert set(report["metrics"]) == {"ranker", "most_popular"}
+    png = storage.read_bytes(storage.join(ev["report"], "ndcg_by_history_length.png"))
+    assert png[:4] == b"\x89PNG"
