@@ -21,14 +21,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+DEMO_DATA := $(OUT)/datasets/ml-latest-small
+DEMO_EPOCHS ?= 3
+
+# prepare -> encode -> train -> evaluate on ml-latest-small, on an embedded local Ray
 demo: $(STAMP)
 	$(PY) -m pipelines.prepare_data --dataset ml-latest-small --out $(OUT)
+	$(PY) -m pipelines.encode_items --dataset-uri $(DEMO_DATA) --out $(OUT)
+	$(PY) -m pipelines.train_ranker --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--epochs $(DEMO_EPOCHS) --val-users 64 --negatives 63 --batch-size 32 --lr 2e-3
+	$(PY) -m pipelines.evaluate --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--checkpoint $(OUT)/checkpoints/ml-latest-small-text
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.prepare_data
+	$(PY) -m benchmarks.encode
 	$(PY) -m benchmarks.scoring
 	$(PY) -m benchmarks.scoring --dtype bf16
 

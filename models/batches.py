@@ -5,6 +5,11 @@ trained on). Each training batch takes, per user, a random window of at most ``m
 items and ``cuts`` cut points t in it: the model reads window[:t] and must pick window[t] (the
 positive, candidate 0) among ``negatives`` items drawn uniformly from the catalog. All cut points
 of a user share one prefill (``Ranker.forward(..., cut=...)``).
+
+Negatives come from a sampling distribution Q over the catalog: uniform, or (better for
+full-catalog ranking, where popular items are the hard competitors) popularity^alpha. Training
+then subtracts log Q from every candidate's score (the "logQ correction" of sampled softmax),
+which makes the sampled loss estimate the full-catalog softmax instead of favouring rare items.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ class TrainBatch:
     candidates: Tensor  # (B, C * (1 + K)) vids; per cut: positive first, then K negatives
     cut: Tensor  # (B, C * (1 + K)) history items visible to each candidate
     groups: int  # C: cut points per user; scores.view(B, C, 1 + K), label 0
+    log_q: Tensor  # (B, C * (1 + K)) log sampling probability of each candidate
+
+
+def sampling_distribution(counts: np.ndarray, alpha: float) -> np.ndarray:
+    """Q over the catalog: (count + 1) ** alpha, normalised; alpha 0 is uniform."""
+    q = (counts.astype(np.float64) + 1.0) ** alpha
+    return q / q.sum()
 
 
 def _pad(rows: list[np.ndarray], fill: int) -> Tensor:
@@ -50,8 +62,11 @@ def training_batch(
     max_len: int,
     cuts: int,
     negatives: int,
+    q: np.ndarray | None = None,
 ) -> TrainBatch:
-    """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items)."""
+    """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items).
+    ``q`` (n_items,): the negative sampling distribution (default uniform)."""
+    cdf = np.cumsum(q) if q is not None else None
     win_v, win_f, cand_rows, cut_rows = [], [], [], []
     k = 1 + negatives
     for v, f in zip(vids, feedback, strict=True):
@@ -62,13 +77,24 @@ def training_batch(
         start = max(0, end - max_len - 1)
         wv, wf = np.asarray(v[start:end]), np.asarray(f[start:end])
         t = rng.integers(1, len(wv), size=cuts)  # cut points (with replacement for short windows)
-        neg = rng.integers(0, n_items, size=(cuts, negatives))
+        if cdf is None:
+            neg = rng.integers(0, n_items, size=(cuts, negatives))
+        else:
+            neg = np.minimum(
+                np.searchsorted(cdf, rng.random((cuts, negatives)) * cdf[-1]), n_items - 1
+            )
         cand_rows.append(np.concatenate([wv[t][:, None], neg], axis=1).reshape(-1))
         cut_rows.append(np.repeat(t, k))
         # the last item is only ever a positive, never history: drop it from the prefill input
         win_v.append(wv[:-1])
         win_f.append(wf[:-1])
     history = History(_pad(win_v, -1), _pad(win_f, -1), torch.tensor([len(x) for x in win_v]))
+    cands = np.stack(cand_rows)
+    log_q = np.log(q[cands] if q is not None else np.full(cands.shape, 1.0 / n_items))
     return TrainBatch(
-        history, torch.from_numpy(np.stack(cand_rows)), torch.from_numpy(np.stack(cut_rows)), cuts
+        history,
+        torch.from_numpy(cands),
+        torch.from_numpy(np.stack(cut_rows)),
+        cuts,
+        torch.from_numpy(log_q).float(),
     )

@@ -192,6 +192,11 @@ class Ranker(nn.Module):
         self.head = nn.Linear(cfg.d_model, 1)
         self.drop = nn.Dropout(cfg.dropout)
         self._rope_table: dict[tuple, tuple[Tensor, Tensor]] = {}
+        # Embeddings start small, like the item tokens they are added to: at nn.Embedding's
+        # default N(0, 1) the feedback term would drown which item a token is.
+        for emb in (self.feedback_emb, self.time_emb, self.item_emb):
+            if emb is not None:
+                nn.init.normal_(emb.weight, std=0.02)
 
     # -- item table and token embeddings
 

@@ -57,7 +57,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_len: int = 200  # most recent history items a user is read with
     cuts: int = 8  # next-item predictions per user per step (one shared prefill)
-    negatives: int = 31  # uniform negatives per prediction
+    negatives: int = 31  # sampled negatives per prediction
+    neg_alpha: float = 0.75  # negatives ~ (count + 1) ** alpha, logQ-corrected; 0 = uniform
     patience: int = 4  # epochs without a better validation NDCG@10 before stopping
     val_users: int = 128  # users in the full-catalog validation
     seed: int = 0
@@ -125,7 +126,7 @@ def train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from models.batches import training_batch
+    from models.batches import sampling_distribution, training_batch
     from models.ranker import Ranker, ranking_loss
 
     tc = TrainConfig(**config["train"])
@@ -159,6 +160,7 @@ def train_loop(config: dict) -> None:
     if opt_state:
         opt.load_state_dict(opt_state)
     val = _load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
+    q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
     shard = ray.train.get_dataset_shard("train")
     dev = next(model.parameters()).device
     for epoch in range(start_epoch, tc.epochs):
@@ -180,11 +182,12 @@ def train_loop(config: dict) -> None:
                 max_len=tc.max_len,
                 cuts=tc.cuts,
                 negatives=tc.negatives,
+                q=q,
             )
             h = tb.history
             h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
             out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev))
-            scores = out.scores.view(-1, 1 + tc.negatives)
+            scores = (out.scores - tb.log_q.to(dev)).view(-1, 1 + tc.negatives)
             loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
             opt.zero_grad(set_to_none=True)
             (loss + out.aux_loss).backward()
@@ -310,6 +313,9 @@ def train(
         "dataset_uri": dataset_uri,
         "resume_from": resume_from,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
+        "item_counts": np.bincount(
+            np.concatenate(train_rows["hist"].to_list()), minlength=n_items
+        ).tolist(),
     }
     trainer = TorchTrainer(
         train_loop,
@@ -406,7 +412,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m pipelines.train_ranker", description=__doc__.split("\n")[0]
     )
     p.add_argument("--dataset-uri", required=True)
-    p.add_argument("--vectors-uri", help="item_vectors folder (needed with --item-input text)")
+    p.add_argument(
+        "--vectors-uri", help="item_vectors folder (default: the default encoder's under --out)"
+    )
     p.add_argument(
         "--out", required=True, help="output root; checkpoints go to <out>/checkpoints/<run>/"
     )
@@ -461,7 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         marker = storage.read_marker(a.dataset_uri)
         rc, tc = configs_from_args(a, int(marker.get("feedback_classes", 5)))
         run = a.run or f"{marker['name']}-{a.item_input}"
-        return train(a.dataset_uri, a.vectors_uri, a.out, run, rc, tc, resume=a.resume)
+        vectors = a.vectors_uri
+        if vectors is None and a.item_input == "text":
+            from models.config import EncoderConfig
+            from pipelines.data import vectors_uri
+            from pipelines.encode_items import encoder_tag
+
+            vectors = vectors_uri(a.out, marker["name"], encoder_tag(EncoderConfig()))
+        return train(a.dataset_uri, vectors, a.out, run, rc, tc, resume=a.resume)
 
     return jobs.run(job)
 

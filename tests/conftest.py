@@ -109,6 +109,13 @@ def ray_head(tmp_path_factory):
             "--include-dashboard=true",
             "--num-cpus=1",
             "--disable-usage-stats",
+            # its own agent ports, so an in-process Ray of the same test session (which takes
+            # the default ports) cannot keep this head's job agent from starting
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
         ],
         env=env,
         stdout=logfile,
@@ -126,6 +133,26 @@ def ray_head(tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
                 pytest.fail(f"ray start --head did not come up; see {logfile.name}")
             time.sleep(1)
+    # The dashboard answers before the node's job agent is up ("No available agent to submit
+    # job"): wait until a trivial job has been accepted and has finished.
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    while True:
+        try:
+            job = client.submit_job(entrypoint="true")
+            break
+        except RuntimeError:
+            if time.time() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"the Ray head at {address} never accepted a job")
+            time.sleep(1)
+    while client.get_job_status(job) not in {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+    }:
+        time.sleep(0.5)
     yield {"address": address, "env": env}
     os.killpg(proc.pid, signal.SIGTERM)
     try:
