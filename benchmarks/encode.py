@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ import numpy as np
 import polars as pl
 import torch
 
+from benchmarks import report as report_file
 from models.config import EncoderConfig
 from models.encoder import ItemEncoder
 from pipelines import encode_items, prepare_data, sources, storage
@@ -82,11 +82,7 @@ def main() -> int:
     report = {
         "benchmark": "encode",
         "dataset": a.dataset,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": report_file.machine(),
         "items": len(texts),
         "batch_size": cfg.batch_size,
         "plain_loop": {
@@ -109,9 +105,7 @@ def main() -> int:
         },
         "speedup_job_over_plain_loop": round(loop_s / first["seconds"], 2),
     }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
+    report_file.write(a.out, report)
     print(json.dumps(report))
     return 0
 

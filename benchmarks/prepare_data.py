@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import report as report_file
 
 DATASETS = ("ml-latest-small", "amazon-videogames-2018")
 
@@ -63,14 +63,12 @@ def main() -> int:
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     report = {
         "benchmark": "prepare_data",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": report_file.machine(),
         "repeats": a.repeats,
         "peak_rss_mib_any_run": round(peak_kib / 1024, 1),
         "datasets": results,
     }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
+    report_file.write(a.out, report)
     print(json.dumps(report))
     return 0
 

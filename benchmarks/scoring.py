@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks import report as report_file
 from models.collective_kv import compression_ratio
 from models.config import CollectiveKVConfig, RankerConfig
 from models.ranker import History, Ranker
@@ -224,11 +223,7 @@ def main() -> int:
         "dtype": a.dtype,
         "cuda_graph": a.cuda_graph,
         "threads": torch.get_num_threads(),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": report_file.machine(),
         "ranker": cfg.to_dict(),
         "collective_kv": ckv_cfg.collective_kv.to_dict(),
         "peak_matmul_gflop_per_s": {k: v / 1e9 for k, v in peak.items()},
@@ -246,9 +241,7 @@ def main() -> int:
         "state_over_full_kv": compression_ratio(ckv_cfg.collective_kv, cfg.n_layers, cfg.kv_width),
         "results": rows,
     }
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=2)
+    report_file.write(out_path, report)
     print(
         json.dumps(
             {k: report[k] for k in ("benchmark", "device", "dtype", "state_over_full_kv")}
