@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import torch
 
 from pipelines import storage
@@ -69,3 +70,10 @@ def item_table(vectors_dir: str, n_items: int) -> tuple[torch.Tensor, int]:
     table = np.zeros((n_items, dim), dtype=np.float32)
     table[vids] = flat.reshape(len(vids), dim).astype(np.float32)
     return torch.from_numpy(table), n_items - len(vids)
+
+
+def blocks(table: pa.Table, n: int) -> list[pa.Table]:
+    """``table`` cut into up to ``n`` contiguous slices: Ray Data blocks that an actor pool can
+    share out without a repartition task (which would need a CPU the actors already hold)."""
+    step = max(1, -(-table.num_rows // max(1, n)))
+    return [table.slice(i, step) for i in range(0, table.num_rows, step)]

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 
 from models.config import EncoderConfig
 from pipelines import jobs, storage
-from pipelines.data import vectors_uri
+from pipelines.data import blocks, vectors_uri
 from pipelines.sources import InputError
 
 log = logging.getLogger("kvrank.encode_items")
@@ -188,8 +188,8 @@ def encode_items(
         init_ray()
         gpus = cluster_gpus()
         t_enc = time.perf_counter()
-        ds = ray.data.from_arrow(to_encode).repartition(
-            max(1, min(actors * 4, to_encode.num_rows // cfg.batch_size + 1))
+        ds = ray.data.from_arrow(
+            blocks(to_encode, max(1, min(actors * 4, to_encode.num_rows // cfg.batch_size + 1)))
         )
         res = ds.map_batches(
             EncoderActor,

@@ -33,7 +33,7 @@ import polars as pl
 import pyarrow as pa
 
 from pipelines import jobs, storage
-from pipelines.data import user_sequences
+from pipelines.data import blocks, user_sequences
 from pipelines.sources import InputError
 
 log = logging.getLogger("kvrank.evaluate")
@@ -65,7 +65,7 @@ class ScoreUsers:
         from models.batches import history_batch
         from models.metrics import full_catalog_ranks, sampled_ranks
 
-        hist = [np.asarray(h) for h in batch["input"]]
+        hist = [np.array(h, dtype=np.int64) for h in batch["input"]]  # writable copies for torch
         hist_fb = [np.asarray(f) for f in batch["input_fb"]]
         h = history_batch(hist, hist_fb, self.max_len)
         targets = torch.as_tensor(batch["test"].astype(np.int64))
@@ -188,14 +188,14 @@ def evaluate(
     table = users.to_arrow()
     for name, ck in models.items():
         log.info("scoring %d users with %s (%s)", users.height, name, ck)
-        ds = ray.data.from_arrow(table).repartition(max(1, min(users.height // 16, actors * 8)))
+        ds = ray.data.from_arrow(blocks(table, actors * 4))
         res = ds.map_batches(
             ScoreUsers,
             fn_constructor_args=(ck, vectors_uri, max(1, int(cpus // actors))),
             compute=ray.data.ActorPoolStrategy(size=actors),
             batch_size=16,
             batch_format="numpy",
-            num_cpus=min(1.0, cpus / actors / 1.5),
+            num_cpus=cpus / actors,
         )
         ranks = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs()))).select(
             "user_id",
