@@ -332,7 +332,10 @@ def train(
         datasets={"train": ds},
         run_config=ray.train.RunConfig(
             name=attempt,
-            storage_path=train_root,
+            # Ray Train wants a URI or an absolute path; `--out out` is neither
+            storage_path=train_root
+            if storage.is_remote(train_root)
+            else os.path.abspath(train_root),
             failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
         ),
