@@ -161,19 +161,21 @@ TINY_SHAPE = [
 ]
 
 
-def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys):
+def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkeypatch):
     enc = run_json(
         capsys,
         encode_items.main,
         ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--actors", "1"],
     )
+    # a relative --out, as `make demo` passes it (Ray Train needs it made absolute)
+    monkeypatch.chdir(tiny["dir"])
     base = [
         "--dataset-uri",
         tiny["dataset"],
         "--vectors-uri",
         enc["out"],
         "--out",
-        tiny["out"],
+        "ckpt-out",
         "--run",
         "r",
         "--workers",
@@ -184,7 +186,7 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys):
     ]
     first = run_json(capsys, train_ranker.main, [*base, "--epochs", "2"])
     assert (first["epochs_run"], first["last_epoch"], first["workers"]) == (2, 1, 2)
-    root = train_ranker.checkpoint_uri(tiny["out"], "r")
+    root = train_ranker.checkpoint_uri("ckpt-out", "r")
     marker = storage.read_marker(root)
     assert marker["best_epoch"] in (0, 1)
     history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
