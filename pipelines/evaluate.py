@@ -172,6 +172,9 @@ def evaluate(
     from pipelines.ray_runtime import init_ray
 
     t0 = time.perf_counter()
+    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
+    id_checkpoint = storage.absolute(id_checkpoint) if id_checkpoint else None
+    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
     marker = storage.read_marker(dataset_uri)
     ckpt_marker = storage.read_marker(checkpoint)
     n_items = int(marker["items"])

@@ -55,6 +55,11 @@ def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
 
 
+def absolute(uri: str) -> str:
+    """``uri`` with a local path made absolute: Ray workers do not share the driver's cwd."""
+    return uri if is_remote(uri) else os.path.abspath(uri.removeprefix("file://"))
+
+
 def join(uri: str, *parts: str) -> str:
     """Join path parts onto a URI with '/' (correct for S3 and POSIX paths alike)."""
     out = uri.rstrip("/")

@@ -284,6 +284,8 @@ def train(
     from pipelines.ray_runtime import init_ray
 
     t0 = time.perf_counter()
+    dataset_uri, out = storage.absolute(dataset_uri), storage.absolute(out)
+    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
     marker = storage.read_marker(dataset_uri)
     n_items = int(marker["items"])
     if rc.item_input == "text":
