@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.collective_kv import CollectiveKV, LayerState, full_kv_bytes
+from models.collective_kv import CollectiveKV, LayerState, Routing, full_kv_bytes
 from models.config import RankerConfig
 from models.layers import (
     RMSNorm,
@@ -160,6 +160,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(qw, cfg.d_model, bias=False)
         self.ckv = CollectiveKV(cfg.d_model, kvw, cfg.collective_kv) if cfg.collective_kv else None
 
+    def project(
+        self, hn: Tensor, cos: Tensor, sin: Tensor, pool_valid: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Routing | None]:
+        """hn (B, S, d) -> q (B, H, S, D), k, v (B, Hkv, S, D) with rotary applied.
+
+        For cached tokens (``pool_valid`` (B, S) given) K/V come from the CollectiveKV pools
+        when this layer has them; otherwise, and for candidates, from k_proj / v_proj.
+        """
+        cfg = self.cfg
+        q = apply_rope(split_heads(self.q_proj(hn), cfg.n_heads), cos, sin)
+        routing = None
+        if pool_valid is not None and self.ckv is not None:
+            k, v, routing = self.ckv(hn, pool_valid)
+        else:
+            k, v = self.k_proj(hn), self.v_proj(hn)
+        k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
+        return q, k, split_heads(v, cfg.n_kv_heads), routing
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: RankerConfig) -> None:
@@ -168,6 +186,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def finish(self, x: Tensor, attended: Tensor, drop: nn.Module) -> Tensor:
+        """The residual updates after attention: x + o_proj(attended), then x + mlp(norm(x))."""
+        x = x + drop(self.self_attn.o_proj(merge_heads(attended)))
+        return x + drop(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Ranker(nn.Module):
@@ -249,7 +272,6 @@ class Ranker(nn.Module):
     # -- prefill
 
     def _prefill(self, h: History) -> Prefill:
-        cfg = self.cfg
         x, lengths = self._embed_history(h)
         b, length, _ = x.shape
         pos = torch.arange(length, device=x.device)
@@ -262,21 +284,13 @@ class Ranker(nn.Module):
         cos, sin = self._rope(pos.expand(b, -1))
         ks, vs, states, aux = [], [], [], x.new_zeros(())
         for layer in self.layers:
-            att = layer.self_attn
-            hn = layer.input_layernorm(x)
-            q = apply_rope(split_heads(att.q_proj(hn), cfg.n_heads), cos, sin)
-            if att.ckv is not None:
-                k, v, routing = att.ckv(hn, valid)
+            q, k, v, routing = layer.self_attn.project(layer.input_layernorm(x), cos, sin, valid)
+            if routing is not None:
                 states.append(routing.state)
                 aux = aux + routing.aux_loss
-            else:
-                k, v = att.k_proj(hn), att.v_proj(hn)
-            k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
-            v = split_heads(v, cfg.n_kv_heads)
             ks.append(k)
             vs.append(v)
-            x = x + self.drop(att.o_proj(merge_heads(masked_attention(q, k, v, mask))))
-            x = x + self.drop(layer.mlp(layer.post_attention_layernorm(x)))
+            x = layer.finish(x, masked_attention(q, k, v, mask), self.drop)
         state = CompressedCache(states, lengths) if states else None
         return Prefill(KVCache(ks, vs, lengths), state, aux, self.norm(x))
 
@@ -317,7 +331,6 @@ class Ranker(nn.Module):
         how many cache tokens (BOS included) each new token sees - by default all of them; a
         smaller value scores the token as if the history ended there (it sits at that position).
         """
-        cfg = self.cfg
         b, n, _ = x.shape
         if visible is None:
             cos, sin = self._rope(kv.lengths[:, None].expand(b, n))
@@ -326,23 +339,18 @@ class Ranker(nn.Module):
             cos, sin = self._rope(visible)
             valid = torch.arange(kv.k[0].shape[2], device=x.device) < visible[..., None]
         new, aux = [], x.new_zeros(())
+        # new history tokens take K/V from the pools (if any); candidates from the projections
+        pool_valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if cached else None
         for i, layer in enumerate(self.layers):
-            att = layer.self_attn
-            hn = layer.input_layernorm(x)
-            q = apply_rope(split_heads(att.q_proj(hn), cfg.n_heads), cos, sin)
-            if cached and att.ckv is not None:
-                k, v, routing = att.ckv(hn, torch.ones(b, n, dtype=torch.bool, device=x.device))
+            q, k, v, routing = layer.self_attn.project(
+                layer.input_layernorm(x), cos, sin, pool_valid
+            )
+            if routing is not None:
                 new.append(routing.state)
                 aux = aux + routing.aux_loss
             else:
-                k, v = att.k_proj(hn), att.v_proj(hn)
-            k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
-            v = split_heads(v, cfg.n_kv_heads)
-            if not (cached and att.ckv is not None):
                 new.append((k, v))
-            out = mis_attention(q, kv.k[i], kv.v[i], valid, k, v)
-            x = x + self.drop(att.o_proj(merge_heads(out)))
-            x = x + self.drop(layer.mlp(layer.post_attention_layernorm(x)))
+            x = layer.finish(x, mis_attention(q, kv.k[i], kv.v[i], valid, k, v), self.drop)
         return x, new, aux
 
     def _head(self, x: Tensor) -> Tensor:
