@@ -255,8 +255,8 @@ def _open(folder: str, name: str):
 # ----------------------------------------------------------------------------- driver side
 
 
-def list_checkpoints(train_root: str) -> list[str]:
-    """Every checkpoint folder under ``train_root`` (all attempts), oldest first by epoch."""
+def list_checkpoints(train_root: str) -> list[tuple[str, dict]]:
+    """(folder, metrics) of every checkpoint under ``train_root`` (all attempts), by epoch."""
     fs, path = storage.filesystem(train_root)
     try:
         found = fs.glob(f"{path.rstrip('/')}/*/checkpoint_*/metrics.json")
@@ -264,8 +264,8 @@ def list_checkpoints(train_root: str) -> list[str]:
         return []
     prefix = "s3://" if train_root.startswith("s3://") else ""
     folders = [prefix + f.rsplit("/", 1)[0] for f in found]
-    epochs = [storage.read_json(storage.join(f, "metrics.json"))["epoch"] for f in folders]
-    return [f for _, f in sorted(zip(epochs, folders, strict=True))]
+    entries = [(f, storage.read_json(storage.join(f, "metrics.json"))) for f in folders]
+    return sorted(entries, key=lambda e: e[1]["epoch"])
 
 
 def train(
@@ -300,12 +300,18 @@ def train(
         raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
     root = checkpoint_uri(out, run)
     train_root = storage.join(root, "train")
-    resume_from = None
-    if resume:
-        previous = list_checkpoints(train_root)
-        if not previous:
-            raise InputError(f"--resume: no checkpoint under {train_root}")
-        resume_from = previous[-1]
+    # Every attempt under a run continues the one before it, so the run's checkpoints form one
+    # history; a second fresh start would mix two trainings when the best epoch is picked.
+    previous = list_checkpoints(train_root)
+    if previous and not resume:
+        raise InputError(
+            f"run {run!r} already has {len(previous)} checkpoint(s) under {train_root}: "
+            "pass --resume to continue it, or choose another --run"
+        )
+    if resume and not previous:
+        raise InputError(f"--resume: no checkpoint under {train_root}")
+    resume_from = previous[-1][0] if resume else None
+    if resume_from:
         log.info("resuming from %s", resume_from)
     init_ray()
     cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -353,15 +359,10 @@ def train(
     checkpoints = list_checkpoints(train_root)
     if not checkpoints:
         raise RuntimeError(f"training produced no checkpoint under {train_root}")
-    last = storage.read_json(storage.join(checkpoints[-1], "metrics.json"))
-    best_dir = max(
-        checkpoints, key=lambda f: storage.read_json(storage.join(f, "metrics.json"))["val_ndcg10"]
-    )
+    history = [metrics for _, metrics in checkpoints]
+    last = history[-1]
+    best_dir, best = max(checkpoints, key=lambda e: e[1]["val_ndcg10"])
     state = torch.load(_open(best_dir, "state.pt"), map_location="cpu", weights_only=False)
-    best = storage.read_json(storage.join(best_dir, "metrics.json"))
-    history = torch.load(
-        _open(checkpoints[-1], "state.pt"), map_location="cpu", weights_only=False
-    )["history"]
     buf = io.BytesIO()
     torch.save(state["model"], buf)
     pub = storage.Publication(root)

@@ -193,6 +193,11 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     assert [h["epoch"] for h in history] == [0, 1]
     assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
     assert len(train_ranker.list_checkpoints(storage.join(root, "train"))) == 2
+    # a fresh start under the same run name would mix two trainings: refused, nothing touched
+    capsys.readouterr()
+    assert train_ranker.main([*base, "--epochs", "2"]) == 2
+    assert "pass --resume to continue it" in capsys.readouterr().err
+    assert json.loads(storage.read_bytes(storage.join(root, "metrics.json"))) == history
 
     resumed = run_json(capsys, train_ranker.main, [*base, "--epochs", "3", "--resume"])
     assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)

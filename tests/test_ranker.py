@@ -9,7 +9,15 @@ from torch.testing import assert_close
 from models.collective_kv import compression_ratio, full_kv_bytes
 from models.config import CollectiveKVConfig, ConfigError, RankerConfig
 from models.hf_llama import export_llama, import_llama, llama_config
-from models.ranker import CompressedCache, Event, History, KVCache, Ranker, ranking_loss
+from models.ranker import (
+    CompressedCache,
+    Event,
+    History,
+    KVCache,
+    Ranker,
+    ranking_loss,
+    time_gap_buckets,
+)
 
 N_ITEMS = 60
 ATOL = 1e-5
@@ -170,20 +178,8 @@ def test_expand_of_compressed_state_equals_kv_computed_on_the_fly():
 @pytest.mark.parametrize("user_dim", [1, 2, 4, 8])
 def test_state_bytes_match_the_closed_form_ratio(user_dim):
     ckv = CollectiveKVConfig(pool_size=1024, user_dim=user_dim)
-    cfg = RankerConfig(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=4,
-        head_dim=64,
-        ffn_dim=64,
-        item_dim=16,
-        collective_kv=ckv,
-    )
-    assert cfg.kv_width == 256
-    torch.manual_seed(0)
-    model = Ranker(cfg, n_items=N_ITEMS).eval()
-    model.set_item_table(torch.randn(N_ITEMS, 16))
+    model = tiny_ranker(ckv, n_kv_heads=4, head_dim=64)
+    assert model.cfg.kv_width == 256
     state = model.prefill(ragged_history())
     assert state.layers[0].idx_k.dtype == torch.uint16
     assert state.layers[0].u_k.dtype == torch.float16
@@ -304,6 +300,13 @@ def test_config_round_trips_through_json_and_rejects_conflicts():
         tiny_config(CollectiveKVConfig(pool_size=8, user_dim=16))
     with pytest.raises(ConfigError, match="unknown field"):
         RankerConfig.from_dict({"d_modle": 3})
+
+
+def test_time_gap_buckets_are_log2_of_the_gap_to_the_previous_event():
+    ts = torch.tensor([[100, 100, 101, 104, 1100, 1_000_000]])
+    # gaps 0, 0, 1, 3, 996, 998900 -> floor(log2(gap + 1)) = 0, 0, 1, 2, 9, 19 -> capped at 7
+    assert time_gap_buckets(ts, 8).tolist() == [[0, 0, 1, 2, 7, 7]]
+    assert time_gap_buckets(ts, 32).tolist() == [[0, 0, 1, 2, 9, 19]]
 
 
 def test_plain_cache_layout():
