@@ -157,3 +157,80 @@ def state_bytes_per_token(cfg: CollectiveKVConfig, n_layers: int) -> int:
 def compression_ratio(cfg: CollectiveKVConfig, n_layers: int, kv_width: int) -> float:
     """stored state bytes / full fp16 KV bytes; (4 + 4 d_u) / (4 kv_width) with uint16 indices."""
     return state_bytes_per_token(cfg, n_layers) / full_kv_bytes(1, n_layers, kv_width)
+
+
+# ----------------------------------------------------------------------------- fitting the pools
+
+
+@torch.no_grad()
+def kmeans(
+    x: Tensor, m: int, iters: int = 10, seed: int = 0, chunk: int = 8192
+) -> tuple[Tensor, Tensor]:
+    """Lloyd's k-means of rows x (N, D) -> centroids (m, D), assignment (N,).
+
+    Starts from m random rows (with replacement plus a little noise when N < m); an entry that
+    loses all its rows is re-seeded at a random row. Distances are computed in chunks of rows
+    so memory stays at ``chunk * m`` floats."""
+    g = torch.Generator().manual_seed(seed)
+    n = x.shape[0]
+    x = x.float()
+    pick = torch.randperm(n, generator=g)[:m] if n >= m else torch.randint(n, (m,), generator=g)
+    c = x[pick].clone()
+    if n < m:
+        c += 1e-3 * x.std() * torch.randn(c.shape, generator=g)
+    assign = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        assign = nearest(x, c, chunk)
+        sums = torch.zeros_like(c).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=m)
+        empty = counts == 0
+        c = torch.where(empty[:, None], c, sums / counts.clamp(min=1)[:, None])
+        if empty.any():
+            c[empty] = x[torch.randint(n, (int(empty.sum()),), generator=g)]
+    return c, nearest(x, c, chunk)
+
+
+def nearest(x: Tensor, c: Tensor, chunk: int = 8192) -> Tensor:
+    """Index of the nearest centroid (euclidean) for each row of x."""
+    c2 = (c * c).sum(1)
+    return torch.cat(
+        [(c2 - 2 * x[i : i + chunk] @ c.T).argmin(1) for i in range(0, x.shape[0], chunk)]
+    )
+
+
+@torch.no_grad()
+def init_from_projections(
+    ckv: CollectiveKV,
+    x: Tensor,
+    k_proj: nn.Linear,
+    v_proj: nn.Linear,
+    iters: int = 10,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Initialise one layer's pools, routers and user projections from a trained layer's
+    ``k_proj`` / ``v_proj`` and sample hidden states x (N, d_model) of cached tokens.
+
+    The shared part of K (its first kv_width - d_u dims) is vector-quantised: k-means over the
+    sampled keys gives the pool, so top-1 selection starts at the least-squares codebook. The
+    router starts as the nearest-centroid classifier written on x: argmin ||W x - c_j||^2 =
+    argmax 2 c_j.W x - ||c_j||^2; being bias-free it keeps 2 W^T c_j and drops ||c_j||^2, which
+    fine-tuning makes up for. The user projection starts as the last d_u rows of the trained
+    projection. The same for V. Returns the relative squared error of the shared part under the
+    k-means assignment and under the router's, for K and V."""
+    shared = ckv.pool_k.shape[1]
+    stats = {}
+    for name, proj, pool, router, user in (
+        ("k", k_proj, ckv.pool_k, ckv.router_k, ckv.user_k),
+        ("v", v_proj, ckv.pool_v, ckv.router_v, ckv.user_v),
+    ):
+        kv = proj(x.to(proj.weight.dtype))[:, :shared].float()
+        c, assign = kmeans(kv, pool.shape[0], iters, seed)
+        w = proj.weight[:shared].float()
+        pool.copy_(c)
+        router.weight.copy_(2 * c @ w)
+        user.weight.copy_(proj.weight[shared:])
+        routed = router(x.to(router.weight.dtype)).argmax(-1)
+        energy = (kv * kv).sum().clamp(min=1e-12)
+        stats[f"{name}_kmeans_rel_error"] = float(((kv - c[assign]) ** 2).sum() / energy)
+        stats[f"{name}_router_rel_error"] = float(((kv - c[routed]) ** 2).sum() / energy)
+    return stats

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from models.ranker import History, Ranker
+from models.ranker import Cache, History, Ranker
 
 
 def ndcg_at_k(ranks: Tensor, k: int = 10) -> Tensor:
@@ -25,7 +25,7 @@ def hit_at_k(ranks: Tensor, k: int = 10) -> Tensor:
 @torch.no_grad()
 def full_catalog_ranks(
     model: Ranker,
-    history: History,
+    history: History | Cache,
     targets: Tensor,
     exclude: list[Tensor],
     n_items: int,
@@ -34,10 +34,11 @@ def full_catalog_ranks(
     """Rank of each user's target among all ``n_items`` items minus ``exclude[b]`` (vids the
     user already has). targets (B,) vids -> ranks (B,) long.
 
-    One prefill per user; the catalog is scored in chunks by MIS, its candidate tokens computed
-    once per chunk for the whole batch.
+    One prefill per user (or the stored cache, as serving uses it: pass a cache instead of the
+    history); the catalog is scored in chunks by MIS, its candidate tokens computed once per
+    chunk for the whole batch.
     """
-    cache = model.prefill(history)
+    cache = _cache(model, history)
     dev = targets.device
     scores = torch.empty(len(targets), n_items, device=dev)
     for start in range(0, n_items, chunk):
@@ -54,8 +55,15 @@ def full_catalog_ranks(
 
 
 @torch.no_grad()
-def sampled_ranks(model: Ranker, history: History, targets: Tensor, negatives: Tensor) -> Tensor:
+def sampled_ranks(
+    model: Ranker, history: History | Cache, targets: Tensor, negatives: Tensor
+) -> Tensor:
     """Rank of each target among itself and its sampled negatives (B, K) -> ranks (B,)."""
     cands = torch.cat([targets[:, None], negatives], dim=1)
-    scores = model.score(model.prefill(history), cands)
+    scores = model.score(_cache(model, history), cands)
     return (scores[:, 1:] > scores[:, :1]).sum(1)
+
+
+def _cache(model: Ranker, history: History | Cache) -> Cache:
+    """A history is prefilled here; a cache (e.g. a stored compressed state) is used as is."""
+    return model.prefill(history) if isinstance(history, History) else model.expand(history)

@@ -271,7 +271,9 @@ class Ranker(nn.Module):
 
     # -- prefill
 
-    def _prefill(self, h: History) -> Prefill:
+    def _prefill(self, h: History, capture: list[Tensor] | None = None) -> Prefill:
+        """``capture``: if given, each layer's normed input (B, 1+T, d) is appended to it - the
+        hidden states K and V are projected from (used to analyse the KV and fit the pools)."""
         x, lengths = self._embed_history(h)
         b, length, _ = x.shape
         pos = torch.arange(length, device=x.device)
@@ -284,7 +286,10 @@ class Ranker(nn.Module):
         cos, sin = self._rope(pos.expand(b, -1))
         ks, vs, states, aux = [], [], [], x.new_zeros(())
         for layer in self.layers:
-            q, k, v, routing = layer.self_attn.project(layer.input_layernorm(x), cos, sin, valid)
+            hn = layer.input_layernorm(x)
+            if capture is not None:
+                capture.append(hn)
+            q, k, v, routing = layer.self_attn.project(hn, cos, sin, valid)
             if routing is not None:
                 states.append(routing.state)
                 aux = aux + routing.aux_loss
@@ -299,6 +304,16 @@ class Ranker(nn.Module):
         """Encode histories into the cache the serving path keeps (compressed with CollectiveKV)."""
         p = self._prefill(history)
         return p.state if p.state is not None else p.kv
+
+    @torch.no_grad()
+    def kv_inputs(self, history: History) -> tuple[list[Tensor], Tensor]:
+        """Per layer the normed inputs of the cached tokens (B, 1+T, d) and their validity mask
+        (B, 1+T): ``k_proj`` / ``v_proj`` of them are the layer's K and V before rotary."""
+        capture: list[Tensor] = []
+        self._prefill(history, capture)
+        length = capture[0].shape[1]
+        valid = torch.arange(length, device=capture[0].device) < (history.lengths + 1)[:, None]
+        return capture, valid
 
     @torch.no_grad()
     def hidden_states(self, history: History) -> Tensor:

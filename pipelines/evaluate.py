@@ -44,20 +44,17 @@ LENGTH_BUCKETS = (0, 5, 10, 20, 50, 100, 200, 500, 10**9)
 class ScoreUsers:
     """Ray Data callable class: ranks of each user's test item under one checkpoint."""
 
-    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
+    def __init__(
+        self, checkpoint: str, vectors_uri: str | None, threads: int, from_states: bool = False
+    ) -> None:
         import torch
 
-        from pipelines.data import item_table
-        from pipelines.train_ranker import load_checkpoint
+        from pipelines.train_ranker import load_ranker
 
         torch.set_num_threads(max(1, threads))
-        self.model, marker = load_checkpoint(checkpoint)
+        self.model, marker, self.max_len = load_ranker(checkpoint, vectors_uri)
         self.n_items = int(marker["n_items"])
-        train = storage.read_json(storage.join(checkpoint, "train.json"))
-        self.max_len = int(train["max_len"])
-        if self.model.cfg.item_input == "text":
-            table, _ = item_table(vectors_uri or marker["vectors_uri"], self.n_items)
-            self.model.set_item_table(table)
+        self.from_states = from_states
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
@@ -68,6 +65,8 @@ class ScoreUsers:
         hist = [np.array(h, dtype=np.int64) for h in batch["input"]]  # writable copies for torch
         hist_fb = [np.asarray(f) for f in batch["input_fb"]]
         h = history_batch(hist, hist_fb, self.max_len)
+        if self.from_states:  # score from the stored compressed states, as serving does
+            h = self._stored_cache(batch, hist)
         targets = torch.as_tensor(batch["test"].astype(np.int64))
         full = full_catalog_ranks(
             self.model, h, targets, [torch.as_tensor(x) for x in hist], self.n_items
@@ -79,6 +78,23 @@ class ScoreUsers:
             "full_rank": full.numpy(),
             "sampled_rank": sampled.numpy(),
         }
+
+    def _stored_cache(self, batch: dict[str, np.ndarray], inputs: list[np.ndarray]):
+        from pipelines import states
+
+        for uid, stored, inp in zip(batch["user_id"], batch["hist"], inputs, strict=True):
+            if not np.array_equal(np.asarray(stored), inp[-self.max_len :]):
+                raise InputError(
+                    f"user {uid}: the stored state's history is not this user's test input "
+                    "(history + validation item); were the states built from another dataset?"
+                )
+        ckv = self.model.cfg.collective_kv
+        return states.from_table(
+            batch,
+            self.model.cfg.n_layers,
+            ckv.user_dim,
+            self.model.layers[0].self_attn.ckv.index_dtype,
+        )
 
 
 def eval_users(dataset_uri: str, max_users: int | None, seed: int) -> pl.DataFrame:
@@ -157,9 +173,10 @@ def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
 
 def evaluate(
     dataset_uri: str,
-    checkpoint: str,
+    checkpoint: str | None,
     out: str,
     *,
+    user_states: str | None = None,
     id_checkpoint: str | None = None,
     vectors_uri: str | None = None,
     max_users: int | None = None,
@@ -172,7 +189,27 @@ def evaluate(
     from pipelines.ray_runtime import init_ray
 
     t0 = time.perf_counter()
-    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
+    dataset_uri = storage.absolute(dataset_uri)
+    states_manifest, states_table = None, None
+    if user_states:
+        from pipelines.build_user_states import read_states
+
+        user_states = storage.absolute(user_states)
+        states_manifest, states_table = read_states(user_states)
+        if states_manifest["includes_test"]:
+            raise InputError(
+                f"{user_states} includes each user's test item: build the states without "
+                "--include-test to evaluate them"
+            )
+        if checkpoint and storage.absolute(checkpoint) != states_manifest["checkpoint"]:
+            raise InputError(
+                f"{user_states} was built with {states_manifest['checkpoint']}, not {checkpoint}"
+            )
+        checkpoint = states_manifest["checkpoint"]
+        vectors_uri = vectors_uri or states_manifest.get("vectors_uri")
+    if not checkpoint:
+        raise InputError("give --checkpoint, or --user-states (which names its checkpoint)")
+    checkpoint = storage.absolute(checkpoint)
     id_checkpoint = storage.absolute(id_checkpoint) if id_checkpoint else None
     vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
     marker = storage.read_marker(dataset_uri)
@@ -185,6 +222,12 @@ def evaluate(
         )
     users = eval_users(dataset_uri, max_users, seed)
     per_user = users.select("user_id", pl.col("input").list.len().alias("input_length"))
+    if states_table is not None:
+        stored = pl.from_arrow(states_table)
+        missing = users.join(stored.select("user_id"), on="user_id", how="anti").height
+        if missing:
+            raise InputError(f"{user_states} has no state for {missing} of the test users")
+        users = users.join(stored, on="user_id", how="left")
     init_ray()
     cpus = ray.cluster_resources().get("CPU", 1)
     models = {"ranker": checkpoint} | ({"ranker_id": id_checkpoint} if id_checkpoint else {})
@@ -194,7 +237,12 @@ def evaluate(
         ds = ray.data.from_arrow(blocks(table, actors * 4))
         res = ds.map_batches(
             ScoreUsers,
-            fn_constructor_args=(ck, vectors_uri, max(1, int(cpus // actors))),
+            fn_constructor_args=(
+                ck,
+                vectors_uri,
+                max(1, int(cpus // actors)),
+                states_table is not None and name == "ranker",
+            ),
             compute=ray.data.ActorPoolStrategy(size=actors),
             batch_size=16,
             batch_format="numpy",
@@ -218,7 +266,11 @@ def evaluate(
         }
         for m in names
     }
-    report = report or ckpt_marker.get("name") or checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    report = report or (
+        user_states.rstrip("/").rsplit("/", 1)[-1] + "-states"
+        if user_states
+        else checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    )
     target = storage.join(out, "reports", report)
     summary = {
         "job": "evaluate",
@@ -242,6 +294,7 @@ def evaluate(
                     "dataset_uri": dataset_uri,
                     "checkpoint": checkpoint,
                     "id_checkpoint": id_checkpoint,
+                    "user_states": user_states,
                     "users": users.height,
                     "sampled_users": bool(max_users),
                     "metrics": metrics,
@@ -286,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m pipelines.evaluate", description=__doc__.split("\n")[0]
     )
     p.add_argument("--dataset-uri", required=True)
-    p.add_argument("--checkpoint", required=True, help="a published ranker checkpoint folder")
+    p.add_argument("--checkpoint", help="a published ranker checkpoint folder")
+    p.add_argument(
+        "--user-states",
+        help="score the ranker from these stored compressed states (build_user_states), "
+        "exactly as serving does; the checkpoint defaults to theirs",
+    )
     p.add_argument(
         "--out", required=True, help="output root; the report goes to <out>/reports/<name>/"
     )
@@ -303,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             a.dataset_uri,
             a.checkpoint,
             a.out,
+            user_states=a.user_states,
             id_checkpoint=a.id_checkpoint,
             vectors_uri=a.vectors_uri,
             max_users=a.max_users,

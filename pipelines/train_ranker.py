@@ -69,11 +69,16 @@ class TrainConfig:
     workers: int = 1
     use_gpu: bool = False
     max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
+    # wall-clock cap of one attempt, in minutes (0: none): training stops after the epoch that
+    # crosses it, like the capped reference runs the quality targets are set against
+    max_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
             if getattr(self, f) <= 0:
                 raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+        if self.max_minutes < 0:
+            raise InputError(f"--max-minutes must be >= 0, got {self.max_minutes}")
 
 
 def checkpoint_uri(out: str, run: str) -> str:
@@ -159,6 +164,9 @@ def train_loop(config: dict) -> None:
             state["bad"],
             state["history"],
         )
+    elif config.get("init_uri"):
+        init = torch.load(_open(*config["init_uri"].rsplit("/", 1)), map_location="cpu")
+        model.load_state_dict(init, strict=True)
     model = ray.train.torch.prepare_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     if opt_state:
@@ -167,6 +175,7 @@ def train_loop(config: dict) -> None:
     q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
     shard = ray.train.get_dataset_shard("train")
     dev = next(model.parameters()).device
+    started = time.perf_counter()
     for epoch in range(start_epoch, tc.epochs):
         t0 = time.perf_counter()
         model.train()
@@ -244,7 +253,12 @@ def train_loop(config: dict) -> None:
                     json.dump(metrics, f)
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report(metrics, checkpoint=checkpoint)
-        if bad >= tc.patience:
+        out_of_time = torch.tensor(
+            float(tc.max_minutes > 0 and time.perf_counter() - started > 60 * tc.max_minutes)
+        )
+        if world > 1:  # every worker stops after the same epoch
+            torch.distributed.all_reduce(out_of_time, op=torch.distributed.ReduceOp.MAX)
+        if bad >= tc.patience or out_of_time.item():
             break
 
 
@@ -276,7 +290,11 @@ def train(
     rc: RankerConfig,
     tc: TrainConfig,
     resume: bool = False,
+    init_state: dict | None = None,
+    extra_meta: dict | None = None,
 ) -> dict:
+    """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
+    ``extra_meta`` goes into the published checkpoint's marker."""
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -313,6 +331,12 @@ def train(
     resume_from = previous[-1][0] if resume else None
     if resume_from:
         log.info("resuming from %s", resume_from)
+    init_uri = None
+    if init_state is not None and not resume:
+        init_uri = storage.join(train_root, "init", "model.pt")
+        buf = io.BytesIO()
+        torch.save(init_state, buf)
+        storage.write_bytes(init_uri, buf.getvalue())
     init_ray()
     cpus = int(ray.cluster_resources().get("CPU", 1))
     ds = ray.data.from_arrow(train_rows.to_arrow())
@@ -324,6 +348,7 @@ def train(
         "vectors_uri": vectors_uri,
         "dataset_uri": dataset_uri,
         "resume_from": resume_from,
+        "init_uri": init_uri,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
         "item_counts": np.bincount(
             np.concatenate(train_rows["hist"].to_list()), minlength=n_items
@@ -395,6 +420,7 @@ def train(
                 "val_ndcg10": best["val_ndcg10"],
                 "source": best_dir,
                 "n_items": n_items,
+                **(extra_meta or {}),
             }
         )
     except BaseException:
@@ -417,6 +443,30 @@ def load_checkpoint(uri: str):
     return model.eval(), marker
 
 
+def load_ranker(checkpoint: str, vectors_uri: str | None = None):
+    """(Ranker ready to score, checkpoint marker, max history length it was trained with): the
+    item table comes from ``vectors_uri`` or, by default, the vectors it was trained on."""
+    model, marker = load_checkpoint(checkpoint)
+    train_cfg = storage.read_json(storage.join(checkpoint, "train.json"))
+    if model.cfg.item_input == "text":
+        table, _ = item_table(vectors_uri or marker["vectors_uri"], int(marker["n_items"]))
+        model.set_item_table(table)
+    return model, marker, int(train_cfg["max_len"])
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """One option per TrainConfig field (--epochs, --lr, ...), shared with train_kv_pool."""
+    g = p.add_argument_group("training")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "use_gpu":
+            g.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    g.add_argument("--use-gpu", action="store_true")
+
+
+def train_config(a: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pipelines.train_ranker", description=__doc__.split("\n")[0]
@@ -433,11 +483,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--resume", action="store_true", help="continue from the run's latest checkpoint"
     )
     p.add_argument("--item-input", choices=["text", "id"], default="text")
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in ("use_gpu",):
-            continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.add_argument("--use-gpu", action="store_true")
+    add_train_args(p)
     g = p.add_argument_group("ranker shape (CPU-sized defaults)")
     g.add_argument("--d-model", type=int, default=128)
     g.add_argument("--n-layers", type=int, default=2)
@@ -454,7 +500,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def configs_from_args(
     a: argparse.Namespace, feedback_classes: int
 ) -> tuple[RankerConfig, TrainConfig]:
-    tc = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
+    tc = train_config(a)
     ckv = CollectiveKVConfig(pool_size=a.pool_size, user_dim=a.user_dim) if a.pool_size else None
     rc = RankerConfig(
         item_dim=384 if a.item_input == "text" else a.d_model,

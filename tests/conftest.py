@@ -160,3 +160,14 @@ def ray_head(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     logfile.close()
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    """A prepared tiny dataset: {"out", "dataset", "seq", "dir"}."""
+    from tests.tiny import base_texts, prepare, write_catalog, write_sequences
+
+    seq = write_sequences(tmp_path)
+    items = write_catalog(tmp_path, base_texts())
+    out = str(tmp_path / "out")
+    return {"out": out, "dataset": prepare(tmp_path, out, items, seq), "seq": seq, "dir": tmp_path}

@@ -12,68 +12,7 @@ import torch
 
 from pipelines import encode_items, evaluate, prepare_data, storage, train_ranker
 from pipelines.data import item_table
-
-GENRES = ["space opera", "cooking show", "jazz album", "chess manual", "garden tools"]
-N_ITEMS, N_USERS = 60, 40
-
-
-def write_catalog(folder, texts: dict[int, str]) -> str:
-    path = folder / "items.csv"
-    pl.DataFrame({"item_id": list(texts), "title": list(texts.values())}).write_csv(path)
-    return str(path)
-
-
-def base_texts() -> dict[int, str]:
-    return {i: f"{GENRES[i % 5]} number {i}" for i in range(N_ITEMS)}
-
-
-def write_sequences(folder) -> str:
-    """Each user walks through one genre in order: the next item is predictable."""
-    rng = np.random.default_rng(0)
-    rows = []
-    for u in range(N_USERS):
-        g = u % 5
-        genre_items = [i for i in range(N_ITEMS) if i % 5 == g]
-        start = int(rng.integers(0, 4))
-        rows.append({"user_id": u, "item_ids": " ".join(map(str, genre_items[start : start + 7]))})
-    path = folder / "seq.tsv"
-    pl.DataFrame(rows).write_csv(path, separator="\t")
-    return str(path)
-
-
-def prepare(folder, out: str, items_csv: str, seq: str) -> str:
-    rc = prepare_data.main(
-        [
-            "--dataset",
-            "tiny",
-            "--items",
-            items_csv,
-            "--sequences",
-            seq,
-            "--negatives",
-            "10",
-            "--out",
-            out,
-        ]
-    )
-    assert rc == 0
-    return prepare_data.dataset_uri(out, "tiny")
-
-
-def run_json(capsys, main, args: list[str]) -> dict:
-    capsys.readouterr()
-    rc = main(args)
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err[-3000:]
-    return json.loads(captured.out.strip().splitlines()[-1])
-
-
-@pytest.fixture()
-def tiny(tmp_path):
-    seq = write_sequences(tmp_path)
-    items = write_catalog(tmp_path, base_texts())
-    out = str(tmp_path / "out")
-    return {"out": out, "dataset": prepare(tmp_path, out, items, seq), "seq": seq, "dir": tmp_path}
+from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
 
 
 def test_encoding_is_incremental(tiny, ray_local, capsys):
@@ -135,30 +74,6 @@ def test_encoding_is_incremental(tiny, ray_local, capsys):
     assert (full["encoded"], full["reused"], full["errors"]) == (60, 0, 2)
     table, missing = item_table(full["out"], len(items))
     assert missing == 2 and table.shape == (len(items), 384)
-
-
-TINY_SHAPE = [
-    "--d-model",
-    "32",
-    "--n-heads",
-    "2",
-    "--n-kv-heads",
-    "2",
-    "--head-dim",
-    "16",
-    "--ffn-dim",
-    "64",
-    "--batch-size",
-    "8",
-    "--cuts",
-    "2",
-    "--negatives",
-    "5",
-    "--val-users",
-    "8",
-    "--max-len",
-    "10",
-]
 
 
 def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkeypatch):

@@ -1,0 +1,264 @@
+"""Build every user's compressed state (CollectiveKV) with Ray Data.
+
+    python -m pipelines.build_user_states --dataset-uri out/datasets/ml-latest-small \\
+        --checkpoint out/checkpoints/ml-latest-small-ckv --out out [--run NAME] [--include-test]
+
+An actor pool of CollectiveKV rankers prefills each user's history (the most recent ``max_len``
+items the ranker was trained to read) and keeps only what serving needs: per layer and cached
+token, the K and V pool indices and the float16 user parts, plus the history's vids and feedback
+(``pipelines.states`` gives the row format). Output ``<out>/user_states/<run>/``:
+
+- ``states-NNNNN.parquet``: one row per user;
+- ``_SUCCESS.json``: the manifest tying dataset, item vectors, checkpoint and states together,
+  with users, tokens, state bytes, the bytes of the full fp16 KV and their ratio, and per layer
+  how the routers use their pools (distinct entries / M and the entropy of their use). A router
+  that sends every token to one entry has collapsed: it is listed in ``collapsed_routers`` and
+  logged as a warning, since its layer then carries only the d_u user numbers per token.
+
+By default a user's history is their training history plus the validation item: the input the
+test protocol ranks from, so ``pipelines.evaluate --user-states`` can score the stored states.
+``--include-test`` adds the test item too (the state to serve in production).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipelines import jobs, states, storage
+from pipelines.data import blocks, user_sequences
+from pipelines.sources import InputError
+
+log = logging.getLogger("kvrank.build_user_states")
+
+USERS_PER_FILE = 100_000
+
+
+class BuildStates:
+    """Ray Data callable class: prefill a batch of users and return their state rows."""
+
+    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
+        import torch
+
+        from pipelines.train_ranker import load_ranker
+
+        torch.set_num_threads(max(1, threads))
+        self.model, _, self.max_len = load_ranker(checkpoint, vectors_uri)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        from models.batches import history_batch
+
+        hist = [np.asarray(h, dtype=np.int64)[-self.max_len :] for h in batch["input"]]
+        fb = [np.asarray(f, dtype=np.int64)[-self.max_len :] for f in batch["input_fb"]]
+        cache = self.model.prefill(history_batch(hist, fb, self.max_len))
+        return states.to_table(cache, list(batch["user_id"]), hist, fb)
+
+
+def router_use(table: pa.Table, n_layers: int, pool_size: int, index_dtype) -> list[dict]:
+    """Per layer and K/V: distinct pool entries used / M, and the entropy (bits) of their use."""
+    np_dtype = np.dtype("<u2") if str(index_dtype) == "torch.uint16" else np.dtype("<i4")
+    out = []
+    for i in range(n_layers):
+        row = {"layer": i}
+        for kv in ("k", "v"):
+            col = table.column(states.column(i, f"idx_{kv}")).combine_chunks()
+            _, offsets_buf, data = col.buffers()
+            offsets = np.frombuffer(offsets_buf, dtype=np.int32)[col.offset :][: len(col) + 1]
+            idx = (
+                np.frombuffer(data, dtype=np.uint8)[offsets[0] : offsets[-1]].view(np_dtype)
+                if len(col) and data is not None
+                else np.zeros(0, dtype=np_dtype)
+            )
+            counts = np.bincount(idx.astype(np.int64), minlength=pool_size)
+            p = counts[counts > 0] / max(1, counts.sum())
+            row[f"{kv}_used"] = int((counts > 0).sum())
+            row[f"{kv}_use"] = round(row[f"{kv}_used"] / pool_size, 4)
+            row[f"{kv}_entropy_bits"] = round(float(-(p * np.log2(p)).sum()), 3)
+        out.append(row)
+    return out
+
+
+def collapsed(use: list[dict]) -> list[str]:
+    """Routers that send every cached token to a single pool entry."""
+    return [f"layer {u['layer']} {kv}" for u in use for kv in ("k", "v") if u[f"{kv}_used"] <= 1]
+
+
+def state_inputs(dataset_uri: str, include_test: bool) -> pl.DataFrame:
+    """user_id, input, input_fb: the history each user's state is built from."""
+    seqs = user_sequences(dataset_uri)
+    parts, fbs = ["hist", "valid"], ["hist_fb", "valid_fb"]
+    if include_test:
+        parts, fbs = [*parts, "test"], [*fbs, "test_fb"]
+    return seqs.select(
+        "user_id",
+        pl.concat_list(parts).alias("input"),
+        pl.concat_list(fbs).alias("input_fb"),
+    )
+
+
+def build(
+    dataset_uri: str,
+    checkpoint: str,
+    out: str,
+    *,
+    run: str | None = None,
+    vectors_uri: str | None = None,
+    include_test: bool = False,
+    actors: int = 2,
+    batch_size: int = 32,
+) -> dict:
+    import ray
+
+    from models.collective_kv import full_kv_bytes, state_bytes_per_token
+    from models.config import RankerConfig
+    from pipelines.ray_runtime import init_ray
+
+    t0 = time.perf_counter()
+    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
+    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
+    marker = storage.read_marker(dataset_uri)
+    ckpt = storage.read_marker(checkpoint)
+    rc = RankerConfig.from_json(
+        storage.read_bytes(storage.join(checkpoint, "ranker.json")).decode()
+    )
+    if rc.collective_kv is None:
+        raise InputError(
+            f"{checkpoint} has no CollectiveKV pools: fit them first with pipelines.train_kv_pool"
+        )
+    if int(ckpt["n_items"]) != int(marker["items"]):
+        raise InputError(
+            f"{checkpoint} was trained on {ckpt['n_items']} items, "
+            f"{dataset_uri} has {marker['items']}"
+        )
+    ckv = rc.collective_kv
+    users = state_inputs(dataset_uri, include_test)
+    run = run or checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    target = storage.join(out, "user_states", run)
+    storage.check_writable(target)
+    init_ray()
+    cpus = ray.cluster_resources().get("CPU", 1)
+    log.info("building states of %d users with %s", users.height, checkpoint)
+    ds = ray.data.from_arrow(blocks(users.to_arrow(), actors * 4))
+    res = ds.map_batches(
+        BuildStates,
+        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus // actors))),
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=cpus / actors,
+    )
+    table = pa.concat_tables(ray.get(res.to_arrow_refs())).sort_by("user_id")
+    tokens = int(pc.sum(table.column("length")).as_py() or 0)
+    stored = states.state_nbytes(table)
+    expected = tokens * state_bytes_per_token(ckv, rc.n_layers)
+    if stored != expected:  # the format and the closed form must agree; a mismatch is a bug
+        raise RuntimeError(f"state bytes {stored} differ from the closed form {expected}")
+    full = full_kv_bytes(tokens, rc.n_layers, rc.kv_width)
+    index_dtype = "torch.uint16" if ckv.index_bytes == 2 else "torch.int32"
+    use = router_use(table, rc.n_layers, ckv.pool_size, index_dtype)
+    bad = collapsed(use)
+    if bad:
+        log.warning("collapsed router(s), one pool entry for every token: %s", ", ".join(bad))
+    files = []
+    pub = storage.Publication(target)
+    try:
+        n_files = max(1, math.ceil(table.num_rows / USERS_PER_FILE))
+        step = math.ceil(table.num_rows / n_files) if table.num_rows else 1
+        for f in range(n_files):
+            name = f"states-{f:05d}.parquet"
+            pub.put_table(name, table.slice(f * step, step))
+            files.append(name)
+        manifest = pub.publish(
+            {
+                "kind": "user_states",
+                "dataset": marker["name"],
+                "dataset_uri": dataset_uri,
+                "vectors_uri": vectors_uri or ckpt.get("vectors_uri"),
+                "checkpoint": checkpoint,
+                "includes_test": include_test,
+                "state_files": files,
+                "users": table.num_rows,
+                "tokens": tokens,
+                "state_bytes": stored,
+                "full_kv_bytes": full,
+                "ratio": stored / max(1, full),
+                "n_layers": rc.n_layers,
+                "kv_width": rc.kv_width,
+                "pool_size": ckv.pool_size,
+                "user_dim": ckv.user_dim,
+                "index_dtype": index_dtype,
+                "router_use": use,
+                "collapsed_routers": bad,
+            }
+        )
+    except BaseException:
+        pub.discard()
+        raise
+    return {
+        "job": "build_user_states",
+        "dataset": marker["name"],
+        "users": manifest["users"],
+        "tokens": tokens,
+        "state_bytes": stored,
+        "full_kv_bytes": full,
+        "ratio": round(stored / max(1, full), 5),
+        "bytes_per_user": round(stored / max(1, table.num_rows), 1),
+        "mean_router_use": round(
+            float(np.mean([u[f"{kv}_use"] for u in use for kv in ("k", "v")])), 4
+        ),
+        "collapsed_routers": bad,
+        "user_states": target,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def read_states(uri: str) -> tuple[dict, pa.Table]:
+    """(manifest, all state rows) of a published user_states folder."""
+    manifest = storage.read_marker(uri)
+    if manifest.get("kind") != "user_states":
+        raise InputError(f"{uri} is not a user_states folder (kind {manifest.get('kind')!r})")
+    parts = [storage.read_parquet(storage.join(uri, f)) for f in manifest["state_files"]]
+    return manifest, pa.concat_tables(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.build_user_states", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--checkpoint", required=True, help="a CollectiveKV ranker checkpoint")
+    p.add_argument("--out", required=True, help="states go to <out>/user_states/<run>/")
+    p.add_argument("--run", default=None, help="folder name (default: the checkpoint's)")
+    p.add_argument("--vectors-uri", help="item vectors (default: the checkpoint's)")
+    p.add_argument(
+        "--include-test", action="store_true", help="add the test item (states to serve)"
+    )
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    a = p.parse_args(argv)
+    if a.actors <= 0 or a.batch_size <= 0:
+        p.error("--actors and --batch-size must be > 0")
+    return jobs.run(
+        lambda: build(
+            a.dataset_uri,
+            a.checkpoint,
+            a.out,
+            run=a.run,
+            vectors_uri=a.vectors_uri,
+            include_test=a.include_test,
+            actors=a.actors,
+            batch_size=a.batch_size,
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

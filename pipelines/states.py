@@ -1,0 +1,132 @@
+"""Compressed user states (CollectiveKV) as Arrow rows: the format build_user_states writes,
+evaluate reads and the serving store keeps.
+
+One row per user:
+
+    user_id    int64
+    hist       list<int32>   the history as vids (item ids via the dataset's items table)
+    hist_fb    list<int8>    feedback class per history item (-1 unknown)
+    length     int32         cached tokens = 1 (BOS) + len(hist)
+    l<i>_idx_k binary        layer i: K pool index per cached token (uint16/int32, little endian)
+    l<i>_idx_v binary        layer i: V pool index per cached token
+    l<i>_u_k   binary        layer i: user part of K, float16 [length, d_u]
+    l<i>_u_v   binary        layer i: user part of V, float16 [length, d_u]
+
+The state bytes are exactly the binary columns, so a folder's size in state is the closed form
+``tokens * state_bytes_per_token``. Raw little-endian buffers keep the round trip exact (the
+fp16 user parts are stored bit for bit) and decode with one ``np.frombuffer`` per field.
+
+No Ray here: the jobs and the Serve deployments both use these functions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from models.collective_kv import STATE_DTYPE, LayerState
+from models.ranker import CompressedCache
+
+FIELDS = ("idx_k", "idx_v", "u_k", "u_v")
+
+
+def column(layer: int, field: str) -> str:
+    return f"l{layer}_{field}"
+
+
+def schema(n_layers: int) -> pa.Schema:
+    cols = [
+        pa.field("user_id", pa.int64()),
+        pa.field("hist", pa.list_(pa.int32())),
+        pa.field("hist_fb", pa.list_(pa.int8())),
+        pa.field("length", pa.int32()),
+    ]
+    cols += [pa.field(column(i, f), pa.binary()) for i in range(n_layers) for f in FIELDS]
+    return pa.schema(cols)
+
+
+def _np_dtype(t: torch.dtype) -> np.dtype:
+    return {torch.uint16: np.dtype("<u2"), torch.int32: np.dtype("<i4")}[t]
+
+
+def to_table(
+    cache: CompressedCache,
+    user_ids: list[int],
+    hist: list[np.ndarray],
+    hist_fb: list[np.ndarray],
+) -> pa.Table:
+    """A batch's compressed cache (B users, right-padded) -> B rows; padding is not stored."""
+    lengths = cache.lengths.cpu().numpy()
+    if not (len(user_ids) == len(hist) == len(hist_fb) == len(lengths)):
+        raise ValueError("user_ids, hist, hist_fb and the cache must have one entry per user")
+    for h, n in zip(hist, lengths, strict=True):
+        if len(h) + 1 != n:
+            raise ValueError(
+                f"a history of {len(h)} items needs {len(h) + 1} cached tokens, not {n}"
+            )
+    data: dict[str, list] = {
+        "user_id": [int(u) for u in user_ids],
+        "hist": [np.asarray(h, dtype=np.int32) for h in hist],
+        "hist_fb": [np.asarray(f, dtype=np.int8) for f in hist_fb],
+        "length": lengths.astype(np.int32),
+    }
+    for i, s in enumerate(cache.layers):
+        for f in FIELDS:
+            t = getattr(s, f).cpu()
+            a = (
+                t.view(torch.int16).numpy().view(_np_dtype(t.dtype))
+                if t.dtype == torch.uint16
+                else t.numpy()
+            )
+            data[column(i, f)] = [a[b, :n].tobytes() for b, n in enumerate(lengths)]
+    return pa.table(data, schema=schema(len(cache.layers)))
+
+
+def from_table(
+    table: pa.Table | dict, n_layers: int, user_dim: int, index_dtype: torch.dtype, device=None
+) -> CompressedCache:
+    """Rows (a table, or a dict of columns as Ray Data batches come) -> one right-padded
+    CompressedCache on ``device``; padded tokens hold index 0 and zeros (never attended)."""
+    if isinstance(table, pa.Table):
+        table = {c: table.column(c).to_pylist() for c in table.column_names}
+    lengths = np.asarray(table["length"], dtype=np.int64)
+    b, width = len(lengths), int(lengths.max()) if len(lengths) else 0
+    idx_np = _np_dtype(index_dtype)
+    layers = []
+    for i in range(n_layers):
+        parts = {}
+        for f in FIELDS:
+            is_idx = f.startswith("idx")
+            dtype, per_token = (idx_np, 1) if is_idx else (np.dtype("<f2"), user_dim)
+            out = np.zeros((b, width * per_token), dtype=dtype)
+            for r, (buf, n) in enumerate(zip(table[column(i, f)], lengths, strict=True)):
+                v = np.frombuffer(buf, dtype=dtype)
+                if v.size != n * per_token:
+                    raise ValueError(
+                        f"{column(i, f)} of user row {r} holds {v.size} values, expected "
+                        f"{n * per_token}: the state does not match the model (d_u, layers)"
+                    )
+                out[r, : v.size] = v
+            if is_idx:
+                t = _as_uint16(out) if index_dtype == torch.uint16 else torch.from_numpy(out)
+            else:
+                t = torch.from_numpy(out).view(b, width, user_dim).to(STATE_DTYPE)
+            parts[f] = t.to(device)
+        layers.append(LayerState(**parts))
+    return CompressedCache(layers, torch.from_numpy(lengths).to(device))
+
+
+def _as_uint16(a: np.ndarray) -> torch.Tensor:
+    """numpy uint16 -> torch.uint16 with the same bits (torch.from_numpy has no uint16)."""
+    return torch.from_numpy(a.view(np.int16)).view(torch.uint16)
+
+
+def state_nbytes(table: pa.Table) -> int:
+    """Bytes of compressed KV in ``table`` (the binary state columns; ids and feedback aside)."""
+    return sum(
+        int(pc.sum(pc.binary_length(table.column(c))).as_py() or 0)
+        for c in table.column_names
+        if c[:1] == "l" and c[1:2].isdigit()
+    )

@@ -1,0 +1,249 @@
+"""Fit the CollectiveKV pools of a trained ranker: initialise them from its KV, then fine-tune.
+
+    python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
+        --checkpoint out/checkpoints/ml-latest-small-text --out out \\
+        [--pool-size 1024] [--user-dim 1] [--init kmeans|random] [--run NAME] [--resume]
+        [training options of train_ranker: --epochs, --lr, --negatives, ...]
+
+1. **Collect** (Ray Data): an actor pool runs the trained ranker over a seeded sample of users'
+   histories and returns, per layer, the hidden states K and V are projected from
+   (``Ranker.kv_inputs``), up to ``--init-tokens`` cached tokens in all.
+2. **Initialise**: per layer the shared part of K and of V is vector-quantised by k-means into
+   the pool (``models.collective_kv.init_from_projections``). k-means rather than an SVD
+   because a CollectiveKV token reads exactly ONE pool entry: that is a codebook, and k-means is
+   the least-squares codebook; an SVD basis is what a low-rank (MLA-style) projection would use,
+   where a token mixes all components. Routers start as nearest-centroid classifiers and the user
+   projections as the trained projection's last d_u rows; every other weight is the trained
+   ranker's. ``--init random`` skips this (the paper's from-scratch pools) for comparison.
+3. **Fine-tune** (Ray Train, the ranker job's loop): the whole ranker with CollectiveKV on -
+   routers, pools, user projections and the rest - on the same MIS objective plus the peak and
+   balance losses; checkpoints every epoch, ``--resume``, validation NDCG@10 computed through
+   the compressed cache, best epoch published to ``<out>/checkpoints/<run>/``.
+
+The published checkpoint is what ``build_user_states`` turns into stored user states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+import numpy as np
+import polars as pl
+
+from models.config import CollectiveKVConfig
+from pipelines import jobs, storage
+from pipelines.data import blocks, user_sequences
+from pipelines.sources import InputError
+
+log = logging.getLogger("kvrank.train_kv_pool")
+
+
+class KVInputs:
+    """Ray Data callable class: per cached token of a batch of users, each layer's normed
+    input (the x that K and V are projected from) and the token's user."""
+
+    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
+        import torch
+
+        from pipelines.train_ranker import load_ranker
+
+        torch.set_num_threads(max(1, threads))
+        self.model, _, self.max_len = load_ranker(checkpoint, vectors_uri)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from models.batches import history_batch
+
+        h = history_batch(list(batch["hist"]), list(batch["hist_fb"]), self.max_len)
+        xs, valid = self.model.kv_inputs(h)
+        users = np.repeat(batch["user_id"], valid.sum(1).numpy())
+        out = {"user_id": users}
+        for i, x in enumerate(xs):
+            out[f"x{i}"] = x[valid].float().numpy()
+        return out
+
+
+def collect_kv_inputs(
+    checkpoint: str,
+    dataset_uri: str,
+    *,
+    users: int,
+    max_tokens: int,
+    vectors_uri: str | None = None,
+    min_history: int = 1,
+    actors: int = 2,
+    seed: int = 0,
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """(per layer x (N, d_model), user id per row) for up to ``max_tokens`` cached tokens of
+    ``users`` seeded random users with ``min_history``+ history items (their training
+    histories), via a Ray Data actor pool."""
+    import ray
+
+    from pipelines.ray_runtime import init_ray
+
+    seqs = user_sequences(dataset_uri).select("user_id", "hist", "hist_fb")
+    seqs = seqs.filter(pl.col("hist").list.len() >= max(1, min_history))
+    if seqs.height == 0:
+        raise InputError(
+            f"{dataset_uri}: no user has {max(1, min_history)}+ history items to collect K and "
+            "V from"
+        )
+    rng = np.random.default_rng(seed)
+    seqs = seqs[np.sort(rng.choice(seqs.height, size=min(users, seqs.height), replace=False))]
+    init_ray()
+    cpus = ray.cluster_resources().get("CPU", 1)
+    ds = ray.data.from_arrow(blocks(seqs.to_arrow(), actors * 4))
+    res = ds.map_batches(
+        KVInputs,
+        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus // actors))),
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        batch_size=16,
+        batch_format="numpy",
+        num_cpus=cpus / actors,
+    )
+    parts = list(res.iter_batches(batch_size=None, batch_format="numpy"))
+    user = np.concatenate([p["user_id"] for p in parts])
+    n_layers = sum(1 for k in parts[0] if k.startswith("x"))
+    xs = [np.concatenate([p[f"x{i}"] for p in parts]) for i in range(n_layers)]
+    if len(user) > max_tokens:
+        keep = np.sort(rng.choice(len(user), size=max_tokens, replace=False))
+        user, xs = user[keep], [x[keep] for x in xs]
+    return xs, user
+
+
+def fit(
+    dataset_uri: str,
+    checkpoint: str,
+    out: str,
+    *,
+    run: str | None,
+    ckv: CollectiveKVConfig,
+    tc,
+    init: str = "kmeans",
+    init_users: int = 512,
+    init_tokens: int = 50_000,
+    resume: bool = False,
+) -> dict:
+    import torch
+
+    from models.collective_kv import compression_ratio, init_from_projections
+    from models.ranker import Ranker
+    from pipelines.train_ranker import load_checkpoint, train
+
+    t0 = time.perf_counter()
+    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
+    base, marker = load_checkpoint(checkpoint)
+    if base.cfg.collective_kv is not None:
+        raise InputError(f"{checkpoint} already has CollectiveKV: give an uncompressed ranker")
+    dmarker = storage.read_marker(dataset_uri)
+    if int(marker["n_items"]) != int(dmarker["items"]):
+        raise InputError(
+            f"{checkpoint} was trained on {marker['n_items']} items, "
+            f"{dataset_uri} has {dmarker['items']}"
+        )
+    rc = dataclasses.replace(base.cfg, collective_kv=ckv)
+    name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}"
+    model = Ranker(rc, n_items=int(marker["n_items"]))
+    model.load_state_dict(base.state_dict(), strict=False)  # everything but the new modules
+    init_stats: dict = {"init": init}
+    if init == "kmeans" and not resume:
+        t_init = time.perf_counter()
+        xs, user = collect_kv_inputs(
+            checkpoint,
+            dataset_uri,
+            users=init_users,
+            max_tokens=init_tokens,
+            vectors_uri=marker.get("vectors_uri"),
+            seed=tc.seed,
+        )
+        for i, (layer, x) in enumerate(zip(model.layers, xs, strict=True)):
+            att = layer.self_attn
+            stats = init_from_projections(
+                att.ckv, torch.from_numpy(x), att.k_proj, att.v_proj, seed=tc.seed + i
+            )
+            init_stats |= {f"layer{i}_{k}": round(v, 4) for k, v in stats.items()}
+        init_stats["init_tokens"] = len(user)
+        init_stats["init_seconds"] = round(time.perf_counter() - t_init, 1)
+        log.info("pools initialised from %d tokens: %s", len(user), init_stats)
+    summary = train(
+        dataset_uri,
+        marker.get("vectors_uri"),
+        out,
+        name,
+        rc,
+        tc,
+        resume=resume,
+        init_state=model.state_dict() if not resume else None,
+        extra_meta={"base_checkpoint": checkpoint, "collective_kv": ckv.to_dict(), **init_stats},
+    )
+    return {
+        **summary,
+        "job": "train_kv_pool",
+        "base_checkpoint": checkpoint,
+        "pool_size": ckv.pool_size,
+        "user_dim": ckv.user_dim,
+        "ratio": round(compression_ratio(ckv, rc.n_layers, rc.kv_width), 5),
+        **init_stats,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipelines.train_ranker import add_train_args, train_config
+
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.train_kv_pool", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--checkpoint", required=True, help="the trained (uncompressed) ranker")
+    p.add_argument("--out", required=True, help="checkpoints go to <out>/checkpoints/<run>/")
+    p.add_argument("--run", default=None, help="default: <dataset>-ckv-m<M>-u<d_u>")
+    p.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
+    g = p.add_argument_group("CollectiveKV")
+    g.add_argument("--pool-size", type=int, default=1024, help="M, entries per pool")
+    g.add_argument("--user-dim", type=int, default=1, help="d_u, user numbers per K and per V")
+    g.add_argument("--peak-weight", type=float, default=0.01)
+    g.add_argument("--balance-weight", type=float, default=0.01)
+    g.add_argument("--init", choices=["kmeans", "random"], default="kmeans")
+    g.add_argument("--init-users", type=int, default=512)
+    g.add_argument("--init-tokens", type=int, default=50_000)
+    add_train_args(p)
+    # fine-tuning from a trained ranker needs far fewer epochs than training it
+    p.set_defaults(epochs=4, patience=2, lr=5e-4, val_users=128)
+    a = p.parse_args(argv)
+
+    def job() -> dict:
+        from models.config import ConfigError
+
+        try:
+            ckv = CollectiveKVConfig(
+                pool_size=a.pool_size,
+                user_dim=a.user_dim,
+                peak_weight=a.peak_weight,
+                balance_weight=a.balance_weight,
+            )
+        except ConfigError as e:
+            raise InputError(str(e)) from e
+        if a.init_users <= 0 or a.init_tokens <= 0:
+            raise InputError("--init-users and --init-tokens must be > 0")
+        return fit(
+            a.dataset_uri,
+            a.checkpoint,
+            a.out,
+            run=a.run,
+            ckv=ckv,
+            tc=train_config(a),
+            init=a.init,
+            init_users=a.init_users,
+            init_tokens=a.init_tokens,
+            resume=a.resume,
+        )
+
+    return jobs.run(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

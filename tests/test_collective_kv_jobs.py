@@ -1,0 +1,172 @@
+"""CollectiveKV as jobs: stored states round trip (local and s3), the pool fit and state build on
+a tiny dataset (bytes = the closed form), evaluation from stored states = from a fresh prefill,
+and a collapsed router is reported."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from models.collective_kv import state_bytes_per_token
+from models.config import CollectiveKVConfig, RankerConfig
+from models.ranker import History, Ranker
+from pipelines import build_user_states, evaluate, states, storage, train_kv_pool, train_ranker
+from tests.tiny import N_USERS, TINY_SHAPE, TINY_TRAIN, run_json
+
+
+def tiny_ckv_ranker(user_dim: int = 2) -> Ranker:
+    torch.manual_seed(0)
+    cfg = RankerConfig(
+        item_dim=16,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        ffn_dim=64,
+        collective_kv=CollectiveKVConfig(pool_size=64, user_dim=user_dim),
+        item_input="id",
+    )
+    return Ranker(cfg, n_items=50).eval()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_state_round_trip_through_parquet(where, tmp_path, request):
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("s3_bucket")
+    model = tiny_ckv_ranker()
+    hist = [np.array([1, 2, 3]), np.array([4, 5, 6, 7, 8, 9, 10]), np.array([11])]
+    fb = [np.array([0, 1, 2]), np.full(7, 3), np.array([-1])]
+    history = History.from_lists([h.tolist() for h in hist], [f.tolist() for f in fb])
+    cache = model.prefill(history)
+    uri = storage.join(root, "states", "part.parquet")
+    storage.write_bytes(uri, storage.parquet_bytes(states.to_table(cache, [7, 8, 9], hist, fb)))
+    table = storage.read_parquet(uri)
+    assert table.column("user_id").to_pylist() == [7, 8, 9]
+    assert table.column("hist").to_pylist()[1] == hist[1].tolist()
+    assert (
+        states.state_nbytes(table)
+        == cache.nbytes()
+        == 14 * state_bytes_per_token(model.cfg.collective_kv, 2)
+    )
+    back = states.from_table(table, 2, 2, torch.uint16)
+    assert torch.equal(back.lengths, cache.lengths)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # uint16 has no equality kernel on CPU
+        return t.view(torch.int16) if t.dtype == torch.uint16 else t
+
+    for a, b in zip(cache.layers, back.layers, strict=True):
+        for f in states.FIELDS:
+            assert getattr(a, f).dtype == getattr(b, f).dtype
+            for u, n in enumerate(cache.lengths.tolist()):  # padding is not stored
+                assert torch.equal(bits(getattr(a, f))[u, :n], bits(getattr(b, f))[u, :n])
+    cands = torch.randint(0, 50, (3, 12))
+    assert torch.equal(model.score(cache, cands), model.score(back, cands))
+    with pytest.raises(ValueError, match="does not match the model"):
+        states.from_table(table, 2, 4, torch.uint16)  # read with the wrong d_u
+
+
+def test_router_use_and_collapse_detection():
+    model = tiny_ckv_ranker()
+    with torch.no_grad():
+        model.layers[1].self_attn.ckv.router_v.weight.zero_()  # every logit 0: argmax is 0
+    hist = [np.arange(1, 30), np.arange(20, 45)]
+    fb = [np.zeros(29, dtype=int), np.zeros(25, dtype=int)]
+    cache = model.prefill(History.from_lists([h.tolist() for h in hist]))
+    table = states.to_table(cache, [1, 2], hist, fb)
+    use = build_user_states.router_use(table, 2, 64, "torch.uint16")
+    assert use[1]["v_used"] == 1 and use[1]["v_entropy_bits"] == 0.0
+    assert use[0]["k_used"] > 1 and use[0]["k_entropy_bits"] > 0
+    assert build_user_states.collapsed(use) == ["layer 1 v"]
+
+
+def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
+    out, ds = tiny["out"], tiny["dataset"]
+    base = run_json(
+        capsys,
+        train_ranker.main,
+        ["--dataset-uri", ds, "--out", out, "--run", "base", "--item-input", "id"]
+        + ["--epochs", "1", *TINY_SHAPE],
+    )
+    fit = run_json(
+        capsys,
+        train_kv_pool.main,
+        ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
+        + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2", "--init-users", "40"]
+        + ["--init-tokens", "100", "--epochs", "1", *TINY_TRAIN],
+    )
+    assert fit["init_tokens"] == 100 and fit["pool_size"] == 16
+    # k-means over the sampled keys fits them better than the bias-free router's choice
+    assert 0 <= fit["layer0_k_kmeans_rel_error"] <= fit["layer0_k_router_rel_error"]
+    model, marker = train_ranker.load_checkpoint(fit["checkpoint"])
+    assert model.cfg.collective_kv.user_dim == 2 and marker["base_checkpoint"] == base["checkpoint"]
+
+    built = run_json(
+        capsys,
+        build_user_states.main,
+        ["--dataset-uri", ds, "--checkpoint", fit["checkpoint"], "--out", out, "--actors", "1"],
+    )
+    # tokens: BOS + the most recent max_len (10) items of history + validation item
+    inputs = build_user_states.state_inputs(ds, include_test=False)
+    tokens = int(inputs["input"].list.len().clip(upper_bound=10).sum()) + N_USERS
+    per_token = 2 * (2 * 2 + 2 * 2 * 2)  # layers * (two uint16 indices + 2 * d_u fp16)
+    assert (built["users"], built["tokens"]) == (N_USERS, tokens)
+    assert built["state_bytes"] == tokens * per_token
+    assert built["ratio"] == pytest.approx(per_token / (2 * 2 * 32 * 2), abs=1e-5)
+    manifest, table = build_user_states.read_states(built["user_states"])
+    assert manifest["checkpoint"] == fit["checkpoint"] and manifest["dataset_uri"] == ds
+    assert table.num_rows == N_USERS
+
+    from_states = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--user-states", built["user_states"], "--out", out]
+        + ["--actors", "1"],
+    )
+    fresh = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--checkpoint", fit["checkpoint"], "--out", out]
+        + ["--actors", "1", "--report", "fresh"],
+    )
+
+    def ranks(report: str) -> pl.DataFrame:
+        t = storage.read_parquet(storage.join(report, "per_user.parquet"))
+        return pl.from_arrow(t).select("user_id", "ranker_full_rank", "ranker_sampled_rank")
+
+    assert from_states["report"] != fresh["report"]
+    assert (
+        ranks(from_states["report"]).sort("user_id").equals(ranks(fresh["report"]).sort("user_id"))
+    )
+
+    # a checkpoint whose layer-0 K router sends every token to one entry: reported
+    state = torch.load(io.BytesIO(storage.read_bytes(storage.join(fit["checkpoint"], "model.pt"))))
+    state["layers.0.self_attn.ckv.router_k.weight"].zero_()
+    broken = storage.join(out, "checkpoints", "collapsed")
+    pub = storage.Publication(broken)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    pub.put_bytes("model.pt", buf.getvalue())
+    for name in ("ranker.json", "train.json"):
+        pub.put_bytes(name, storage.read_bytes(storage.join(fit["checkpoint"], name)))
+    meta = {k: v for k, v in marker.items() if k not in ("files", "published_at")}
+    pub.publish(meta)
+    collapsed = run_json(
+        capsys,
+        build_user_states.main,
+        ["--dataset-uri", ds, "--checkpoint", broken, "--out", out, "--actors", "1"],
+    )
+    assert collapsed["collapsed_routers"] == ["layer 0 k"]
+    assert storage.read_marker(collapsed["user_states"])["collapsed_routers"] == ["layer 0 k"]
+
+
+def test_states_need_a_collective_kv_checkpoint(tiny, capsys):
+    base = storage.join(tiny["out"], "checkpoints", "missing")
+    rc = build_user_states.main(
+        ["--dataset-uri", tiny["dataset"], "--checkpoint", base, "--out", tiny["out"]]
+    )
+    assert rc == 2
+    assert "not a complete publication" in capsys.readouterr().err
