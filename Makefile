@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvrank-installed
 OUT    ?= out
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench kv-sweep lint clean
 
 install: $(STAMP)
 
@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 
 DEMO_DATA := $(OUT)/datasets/ml-latest-small
 DEMO_EPOCHS ?= 3
+DEMO_KV_EPOCHS ?= 1
 
-# prepare -> encode -> train -> evaluate on ml-latest-small, on an embedded local Ray
+# prepare -> encode -> train -> evaluate -> analyse the KV -> fit the CollectiveKV pools ->
+# build user states -> evaluate from them, on ml-latest-small, on an embedded local Ray
 demo: $(STAMP)
 	$(PY) -m pipelines.prepare_data --dataset ml-latest-small --out $(OUT)
 	$(PY) -m pipelines.encode_items --dataset-uri $(DEMO_DATA) --out $(OUT)
@@ -32,6 +34,15 @@ demo: $(STAMP)
 		--epochs $(DEMO_EPOCHS) --val-users 64 --negatives 63 --batch-size 32 --lr 2e-3
 	$(PY) -m pipelines.evaluate --dataset-uri $(DEMO_DATA) --out $(OUT) \
 		--checkpoint $(OUT)/checkpoints/ml-latest-small-text
+	$(PY) -m pipelines.analyze_kv --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--checkpoint $(OUT)/checkpoints/ml-latest-small-text --users 64
+	$(PY) -m pipelines.train_kv_pool --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--checkpoint $(OUT)/checkpoints/ml-latest-small-text --run ml-latest-small-ckv \
+		--epochs $(DEMO_KV_EPOCHS) --val-users 64 --negatives 63 --batch-size 32
+	$(PY) -m pipelines.build_user_states --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--checkpoint $(OUT)/checkpoints/ml-latest-small-ckv
+	$(PY) -m pipelines.evaluate --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--user-states $(OUT)/user_states/ml-latest-small-ckv
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -41,6 +52,11 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.encode
 	$(PY) -m benchmarks.scoring
 	$(PY) -m benchmarks.scoring --dtype bf16
+
+# the CollectiveKV sweep (M x d_u, int8 and low-rank baselines) on the demo's trained ranker
+kv-sweep: $(STAMP)
+	$(PY) -m benchmarks.kv_sweep --dataset-uri $(DEMO_DATA) --out $(OUT) \
+		--checkpoint $(OUT)/checkpoints/ml-latest-small-text
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

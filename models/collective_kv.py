@@ -83,7 +83,7 @@ def balance_loss(logits: Tensor, valid: Tensor) -> Tensor:
     return (mean * (torch.log(mean.clamp(min=1e-12)) + math.log(m))).sum()
 
 
-def _round_to_state(u: Tensor) -> Tensor:
+def round_to_state(u: Tensor) -> Tensor:
     """The value the state will hold, with the gradient of the unrounded value."""
     return u + (u.to(STATE_DTYPE).to(u.dtype) - u).detach()
 
@@ -110,8 +110,8 @@ class CollectiveKV(nn.Module):
         """
         logits_k, logits_v = self.router_k(x), self.router_v(x)
         idx_k, idx_v = logits_k.argmax(-1), logits_v.argmax(-1)
-        u_k = _round_to_state(F.silu(self.user_k(x)))
-        u_v = _round_to_state(F.silu(self.user_v(x)))
+        u_k = round_to_state(F.silu(self.user_k(x)))
+        u_v = round_to_state(F.silu(self.user_v(x)))
         k = torch.cat([self.pool_k[idx_k] * _st_gate(logits_k, idx_k), u_k], dim=-1)
         v = torch.cat([self.pool_v[idx_v] * _st_gate(logits_v, idx_v), u_v], dim=-1)
         vf = valid.to(x.dtype)

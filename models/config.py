@@ -125,6 +125,9 @@ class RankerConfig(_JsonConfig):
     feedback_classes: int = 5  # rating buckets; -1 (unknown) gets its own embedding
     time_buckets: int = 0  # 0: no time-gap embedding; else log2-bucketed gaps, this many buckets
     collective_kv: CollectiveKVConfig | None = None  # None: plain KV cache
+    # low-rank (MLA-style) baseline: cached tokens keep kv_rank fp16 numbers per layer, K and V
+    # are up-projected from them; 0: off. A comparison for CollectiveKV at equal bytes.
+    kv_rank: int = 0
     dropout: float = 0.0
     item_input: str = "text"  # "text": encoder vectors by vid; "id": learned id embeddings
 
@@ -168,6 +171,13 @@ class RankerConfig(_JsonConfig):
                 f"collective_kv.user_dim ({self.collective_kv.user_dim}) must be smaller than the "
                 f"KV width n_kv_heads*head_dim ({self.kv_width})",
             )
+
+        _check(self.kv_rank >= 0, c, f"kv_rank must be >= 0, got {self.kv_rank}")
+        _check(
+            not (self.kv_rank and self.collective_kv is not None),
+            c,
+            "kv_rank (low-rank KV) and collective_kv are alternatives: set one",
+        )
 
     @property
     def kv_width(self) -> int:

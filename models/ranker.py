@@ -31,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.collective_kv import CollectiveKV, LayerState, Routing, full_kv_bytes
+from models.collective_kv import (
+    CollectiveKV,
+    LayerState,
+    Routing,
+    full_kv_bytes,
+    round_to_state,
+)
 from models.config import RankerConfig
 from models.layers import (
     RMSNorm,
@@ -159,6 +165,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, kvw, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(qw, cfg.d_model, bias=False)
         self.ckv = CollectiveKV(cfg.d_model, kvw, cfg.collective_kv) if cfg.collective_kv else None
+        if cfg.kv_rank:  # the low-rank baseline: a latent per cached token, K and V from it
+            self.kv_down = nn.Linear(cfg.d_model, cfg.kv_rank, bias=False)
+            self.k_up = nn.Linear(cfg.kv_rank, kvw, bias=False)
+            self.v_up = nn.Linear(cfg.kv_rank, kvw, bias=False)
 
     def project(
         self, hn: Tensor, cos: Tensor, sin: Tensor, pool_valid: Tensor | None
@@ -173,10 +183,28 @@ class Attention(nn.Module):
         routing = None
         if pool_valid is not None and self.ckv is not None:
             k, v, routing = self.ckv(hn, pool_valid)
+        elif pool_valid is not None and cfg.kv_rank:
+            latent = round_to_state(self.kv_down(hn))  # what a cache would store, fp16
+            k, v = self.k_up(latent), self.v_up(latent)
         else:
             k, v = self.k_proj(hn), self.v_proj(hn)
         k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
         return q, k, split_heads(v, cfg.n_kv_heads), routing
+
+    @torch.no_grad()
+    def init_low_rank(self, x: Tensor) -> float:
+        """Start the low-rank KV from this layer's trained k/v projections and sample hidden
+        states x (N, d_model): the best rank-r map onto the data's joint K/V (PCA of
+        [k_proj x, v_proj x]). Returns the relative squared error of that reconstruction."""
+        w = torch.cat([self.k_proj.weight, self.v_proj.weight]).float()  # (2 width, d)
+        y = x.float() @ w.T
+        basis = torch.linalg.svd(y, full_matrices=False).Vh[: self.cfg.kv_rank]  # (r, 2 width)
+        width = self.cfg.kv_width
+        self.kv_down.weight.copy_(basis @ w)
+        self.k_up.weight.copy_(basis[:, :width].T)
+        self.v_up.weight.copy_(basis[:, width:].T)
+        err = y - (y @ basis.T) @ basis
+        return float((err**2).sum() / (y**2).sum().clamp(min=1e-12))
 
 
 class DecoderLayer(nn.Module):
@@ -442,6 +470,10 @@ class Ranker(nn.Module):
             k, v = att.k_proj(hn), att.v_proj(hn)
             if att.ckv is not None:
                 kh, vh, _ = att.ckv(hn[:, :length], hist_valid)
+            elif cfg.kv_rank:
+                latent = round_to_state(att.kv_down(hn[:, :length]))
+                kh, vh = att.k_up(latent), att.v_up(latent)
+            if att.ckv is not None or cfg.kv_rank:
                 k = torch.cat([kh, k[:, length:]], dim=1)
                 v = torch.cat([vh, v[:, length:]], dim=1)
             k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
@@ -500,6 +532,22 @@ class Ranker(nn.Module):
         return KVCache(ks, vs, cache.lengths + 1)
 
     # -- sizes
+
+    @staticmethod
+    def quantize_int8(cache: KVCache) -> tuple[KVCache, int]:
+        """The int8 baseline: K and V of each cached token and KV head quantised symmetrically
+        to int8 with one fp16 scale (absmax / 127), and dequantised. Returns the cache a
+        consumer would read and the bytes stored for the valid tokens."""
+
+        def q(t: Tensor) -> Tensor:
+            scale = (t.abs().amax(-1, keepdim=True) / 127).to(torch.float16).to(t.dtype)
+            scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
+            return (t / scale).round().clamp(-127, 127) * scale
+
+        tokens = int(cache.lengths.sum())
+        heads, dim = cache.k[0].shape[1], cache.k[0].shape[3]
+        nbytes = tokens * len(cache.k) * 2 * heads * (dim + 2)
+        return KVCache([q(k) for k in cache.k], [q(v) for v in cache.v], cache.lengths), nbytes
 
     def full_kv_bytes(self, lengths: Tensor) -> int:
         """Bytes the plain fp16 KV of these cached tokens would take."""

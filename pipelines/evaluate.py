@@ -11,7 +11,10 @@ test item is ranked (a) against the full catalog minus the items already in that
 - ``ranker``: the checkpoint (item text vectors, MIS);
 - ``ranker_id``: the same ranker trained with learned item-id embeddings (``--id-checkpoint``),
   which shows what the text encoder adds;
-- ``most_popular``: items ranked by interaction count in the users' inputs.
+- ``most_popular``: items ranked by interaction count in the users' inputs;
+- with ``--user-states``: ``ranker`` is scored from the stored CollectiveKV states (read back,
+  expanded, MIS - exactly the serving path, no fresh prefill), and ``uncompressed`` is the
+  ranker its pools were fitted to, so the table shows what the compression costs.
 
 Users are scored by a Ray Data actor pool, each actor holding the model and the item table;
 ``--max-users`` evaluates a fixed random sample (seeded) when the full catalog times all users
@@ -231,6 +234,9 @@ def evaluate(
     init_ray()
     cpus = ray.cluster_resources().get("CPU", 1)
     models = {"ranker": checkpoint} | ({"ranker_id": id_checkpoint} if id_checkpoint else {})
+    if states_manifest is not None and ckpt_marker.get("base_checkpoint"):
+        # the ranker the pools were fitted to, with its full KV: what compression costs
+        models["uncompressed"] = ckpt_marker["base_checkpoint"]
     table = users.to_arrow()
     for name, ck in models.items():
         log.info("scoring %d users with %s (%s)", users.height, name, ck)
@@ -316,6 +322,15 @@ def evaluate(
         pub.discard()
         raise
     print(metrics_table(marker["name"], users.height, metrics), file=sys.stderr)
+    if states_manifest is not None:
+        m = states_manifest
+        summary |= {"state_bytes": m["state_bytes"], "ratio": round(m["ratio"], 5)}
+        print(
+            f"ranker scored from stored CollectiveKV states: {m['state_bytes']:,} bytes for "
+            f"{m['users']:,} users ({m['state_bytes'] / max(1, m['users']):,.0f} per user), "
+            f"{m['ratio']:.3%} of the {m['full_kv_bytes']:,} bytes of their fp16 KV",
+            file=sys.stderr,
+        )
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     return summary
 

@@ -2,7 +2,7 @@
 
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
-        [--pool-size 1024] [--user-dim 1] [--init kmeans|random] [--run NAME] [--resume]
+        [--pool-size 1024] [--user-dim 1] [--init fit|random] [--kv-rank R] [--run NAME] [--resume]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
 
 1. **Collect** (Ray Data): an actor pool runs the trained ranker over a seeded sample of users'
@@ -21,6 +21,10 @@
    the compressed cache, best epoch published to ``<out>/checkpoints/<run>/``.
 
 The published checkpoint is what ``build_user_states`` turns into stored user states.
+
+``--kv-rank R`` fits the comparison instead: a low-rank (MLA-style) KV where each cached token
+keeps an R-number fp16 latent per layer (initialised by PCA of the trained joint K/V), at the
+same bytes as CollectiveKV when R = 2 + 2 d_u.
 """
 
 from __future__ import annotations
@@ -120,9 +124,10 @@ def fit(
     out: str,
     *,
     run: str | None,
-    ckv: CollectiveKVConfig,
+    ckv: CollectiveKVConfig | None,
     tc,
-    init: str = "kmeans",
+    kv_rank: int = 0,
+    init: str = "fit",
     init_users: int = 512,
     init_tokens: int = 50_000,
     resume: bool = False,
@@ -144,12 +149,16 @@ def fit(
             f"{checkpoint} was trained on {marker['n_items']} items, "
             f"{dataset_uri} has {dmarker['items']}"
         )
-    rc = dataclasses.replace(base.cfg, collective_kv=ckv)
-    name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}"
+    if kv_rank:
+        rc = dataclasses.replace(base.cfg, kv_rank=kv_rank)
+        name = run or f"{dmarker['name']}-lowrank-r{kv_rank}"
+    else:
+        rc = dataclasses.replace(base.cfg, collective_kv=ckv)
+        name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}"
     model = Ranker(rc, n_items=int(marker["n_items"]))
     model.load_state_dict(base.state_dict(), strict=False)  # everything but the new modules
     init_stats: dict = {"init": init}
-    if init == "kmeans" and not resume:
+    if init == "fit" and not resume:
         t_init = time.perf_counter()
         xs, user = collect_kv_inputs(
             checkpoint,
@@ -161,9 +170,12 @@ def fit(
         )
         for i, (layer, x) in enumerate(zip(model.layers, xs, strict=True)):
             att = layer.self_attn
-            stats = init_from_projections(
-                att.ckv, torch.from_numpy(x), att.k_proj, att.v_proj, seed=tc.seed + i
-            )
+            if kv_rank:
+                stats = {"kv_rel_error": att.init_low_rank(torch.from_numpy(x))}
+            else:
+                stats = init_from_projections(
+                    att.ckv, torch.from_numpy(x), att.k_proj, att.v_proj, seed=tc.seed + i
+                )
             init_stats |= {f"layer{i}_{k}": round(v, 4) for k, v in stats.items()}
         init_stats["init_tokens"] = len(user)
         init_stats["init_seconds"] = round(time.perf_counter() - t_init, 1)
@@ -177,15 +189,25 @@ def fit(
         tc,
         resume=resume,
         init_state=model.state_dict() if not resume else None,
-        extra_meta={"base_checkpoint": checkpoint, "collective_kv": ckv.to_dict(), **init_stats},
+        extra_meta={
+            "base_checkpoint": checkpoint,
+            "collective_kv": ckv.to_dict() if ckv and not kv_rank else None,
+            "kv_rank": kv_rank,
+            **init_stats,
+        },
+    )
+    ratio = (
+        kv_rank / (2 * rc.kv_width)  # fp16 latent vs fp16 K and V
+        if kv_rank
+        else compression_ratio(ckv, rc.n_layers, rc.kv_width)
     )
     return {
         **summary,
         "job": "train_kv_pool",
         "base_checkpoint": checkpoint,
-        "pool_size": ckv.pool_size,
-        "user_dim": ckv.user_dim,
-        "ratio": round(compression_ratio(ckv, rc.n_layers, rc.kv_width), 5),
+        **({"kv_rank": kv_rank} if kv_rank else {"pool_size": ckv.pool_size}),
+        **({} if kv_rank else {"user_dim": ckv.user_dim}),
+        "ratio": round(ratio, 5),
         **init_stats,
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -207,7 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--user-dim", type=int, default=1, help="d_u, user numbers per K and per V")
     g.add_argument("--peak-weight", type=float, default=0.01)
     g.add_argument("--balance-weight", type=float, default=0.01)
-    g.add_argument("--init", choices=["kmeans", "random"], default="kmeans")
+    g.add_argument(
+        "--kv-rank",
+        type=int,
+        default=0,
+        help="fit the low-rank (MLA-style) baseline instead: R fp16 numbers per token and "
+        "layer (CollectiveKV with d_u stores as many bytes at R = 2 + 2 d_u)",
+    )
+    g.add_argument(
+        "--init",
+        choices=["fit", "random"],
+        default="fit",
+        help="fit: k-means pools (or PCA for --kv-rank) from the trained KV; random: from scratch",
+    )
     g.add_argument("--init-users", type=int, default=512)
     g.add_argument("--init-tokens", type=int, default=50_000)
     add_train_args(p)
@@ -227,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ConfigError as e:
             raise InputError(str(e)) from e
+        if a.kv_rank < 0:
+            raise InputError(f"--kv-rank must be >= 0, got {a.kv_rank}")
         if a.init_users <= 0 or a.init_tokens <= 0:
             raise InputError("--init-users and --init-tokens must be > 0")
         return fit(
@@ -236,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             run=a.run,
             ckv=ckv,
             tc=train_config(a),
+            kv_rank=a.kv_rank,
             init=a.init,
             init_users=a.init_users,
             init_tokens=a.init_tokens,

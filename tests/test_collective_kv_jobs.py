@@ -5,6 +5,7 @@ and a collapsed router is reported."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import polars as pl
@@ -14,7 +15,15 @@ import torch
 from models.collective_kv import state_bytes_per_token
 from models.config import CollectiveKVConfig, RankerConfig
 from models.ranker import History, Ranker
-from pipelines import build_user_states, evaluate, states, storage, train_kv_pool, train_ranker
+from pipelines import (
+    analyze_kv,
+    build_user_states,
+    evaluate,
+    states,
+    storage,
+    train_kv_pool,
+    train_ranker,
+)
 from tests.tiny import N_USERS, TINY_SHAPE, TINY_TRAIN, run_json
 
 
@@ -91,6 +100,26 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         ["--dataset-uri", ds, "--out", out, "--run", "base", "--item-input", "id"]
         + ["--epochs", "1", *TINY_SHAPE],
     )
+    analysis = run_json(
+        capsys,
+        analyze_kv.main,
+        ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
+        + ["--users", "10", "--rank", "2"],
+    )
+    assert (analysis["users"], analysis["random_overlap"]) == (10, 2 / 32)
+    report = json.loads(storage.read_bytes(storage.join(analysis["report"], "analysis.json")))
+    for layer in report["layers"]:
+        for kv in ("k", "v"):
+            a = layer[kv]
+            shares = [a["energy_top"][r] for r in ("1", "2", "4", "16", "64")]
+            assert shares == sorted(shares) and 0 < shares[0] and shares[-1] <= 1 + 1e-9
+            assert a["users_compared"] == 10
+            # the principal parts of different users' keys overlap far beyond chance
+            assert a["random_overlap"] < a["principal_overlap"] <= 1 + 1e-9
+            assert 0 <= a["residual_overlap"] <= 1 + 1e-9
+    for png in ("spectrum.png", "sharing.png"):
+        assert storage.read_bytes(storage.join(analysis["report"], png))[:4] == b"\x89PNG"
+
     fit = run_json(
         capsys,
         train_kv_pool.main,
@@ -138,6 +167,11 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         return pl.from_arrow(t).select("user_id", "ranker_full_rank", "ranker_sampled_rank")
 
     assert from_states["report"] != fresh["report"]
+    assert from_states["ratio"] == built["ratio"]
+    states_report = json.loads(
+        storage.read_bytes(storage.join(from_states["report"], "metrics.json"))
+    )
+    assert set(states_report["metrics"]) == {"ranker", "uncompressed", "most_popular"}
     assert (
         ranks(from_states["report"]).sort("user_id").equals(ranks(fresh["report"]).sort("user_id"))
     )

@@ -343,3 +343,27 @@ def test_item_id_inputs_learn_an_embedding_per_item():
     out.scores.sum().backward()
     grad = model.item_emb.weight.grad
     assert grad[20].abs().sum() > 0 and grad[59].abs().sum() == 0  # 59 is never seen
+
+
+def test_low_rank_kv_baseline_scores_like_its_reference_and_starts_from_pca():
+    model = tiny_ranker(kv_rank=4)
+    h, c = ragged_history(), candidates()
+    assert_close(model.score(model.prefill(h), c), model.score_reference(h, c), atol=ATOL, rtol=0)
+    x = torch.randn(400, 32)
+    assert 0 < model.layers[0].self_attn.init_low_rank(x) < 1
+    # at the full rank of the joint K/V (d_model 32) the PCA start reconstructs it exactly
+    exact = tiny_ranker(kv_rank=32)
+    assert exact.layers[0].self_attn.init_low_rank(x) < 1e-6
+
+
+def test_int8_kv_baseline_bytes_and_error():
+    model = tiny_ranker()
+    h, c = ragged_history(), candidates()
+    cache = model.prefill(h)
+    q, nbytes = Ranker.quantize_int8(cache)
+    tokens = int(cache.lengths.sum())  # BOS included
+    assert nbytes == tokens * 2 * 2 * 2 * (8 + 2)  # layers * (K, V) * heads * (int8s + scale)
+    for a, b in zip(cache.k + cache.v, q.k + q.v, strict=True):
+        step = a.abs().amax(-1, keepdim=True) / 127
+        assert ((a - b).abs() <= step * 0.5 + 1e-3 * step).all()  # half a step, scale in fp16
+    assert_close(model.score(q, c), model.score(cache, c), atol=0.05, rtol=0.05)

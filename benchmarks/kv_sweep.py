@@ -1,0 +1,187 @@
+"""CollectiveKV sweep: compression ratio vs quality over pool size M and user width d_u, next to
+the int8 and low-rank (MLA-style) KV baselines, all from one trained ranker.
+
+    python -m benchmarks.kv_sweep --dataset-uri out/datasets/ml-latest-small \\
+        --checkpoint out/checkpoints/ml-latest-small-text --out out \\
+        [--pool-sizes 256,1024,4096] [--user-dims 1,2,4,8] [--low-ranks 4] [--epochs 1]
+        [--max-users 200]
+
+For each (M, d_u): ``train_kv_pool`` fits and fine-tunes the pools, ``build_user_states`` stores
+every user's state, and the test users are scored FROM THE STORED STATES (read back from
+Parquet, expanded, MIS over the full catalog), as serving will. Router use (distinct entries /
+M) and its entropy come from the state build. Baselines on the same users: the uncompressed
+ranker (fp16 KV, ratio 1), its KV stored in int8 with a scale per token and head, and the
+low-rank KV with R = 2 + 2 d_u fp16 numbers per token and layer (the bytes of CollectiveKV at
+that d_u) fine-tuned the same way. Writes ``benchmarks/results/kv_sweep_<dataset>.json`` and
+prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.report import machine, write
+
+
+def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 32) -> np.ndarray:
+    """Full-catalog rank of each test item, with the cache each batch gets from ``cache_fn``."""
+    from models.batches import history_batch
+    from models.metrics import full_catalog_ranks
+
+    out = []
+    inputs, fbs = users["input"].to_list(), users["input_fb"].to_list()
+    tests = users["test"].to_list()
+    for s in range(0, len(tests), batch):
+        hist = [np.asarray(h, dtype=np.int64) for h in inputs[s : s + batch]]
+        fb = [np.asarray(f, dtype=np.int64) for f in fbs[s : s + batch]]
+        cache = cache_fn(history_batch(hist, fb, max_len), slice(s, s + batch))
+        targets = torch.tensor(tests[s : s + batch])
+        out.append(
+            full_catalog_ranks(model, cache, targets, [torch.as_tensor(h) for h in hist], n_items)
+        )
+    return torch.cat(out).numpy()
+
+
+def ndcg(ranks: np.ndarray) -> tuple[float, float]:
+    r = ranks.astype(np.float64)
+    return float(np.where(r < 10, 1 / np.log2(r + 2), 0).mean()), float((r < 10).mean())
+
+
+def main(argv: list[str] | None = None) -> None:
+    import polars as pl
+
+    from pipelines import build_user_states, states, storage, train_kv_pool
+    from pipelines.evaluate import eval_users
+    from pipelines.train_ranker import TrainConfig, load_ranker
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_sweep")
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--checkpoint", required=True, help="the trained, uncompressed ranker")
+    p.add_argument("--out", required=True)
+    p.add_argument("--pool-sizes", default="256,1024,4096")
+    p.add_argument("--user-dims", default="1,2,4,8")
+    p.add_argument("--low-ranks", default="4", help="R of the low-rank baselines (2 + 2 d_u)")
+    p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
+    p.add_argument("--max-users", type=int, default=200, help="seeded sample of test users")
+    p.add_argument(
+        "--json", default=None, help="default: benchmarks/results/kv_sweep_<dataset>.json"
+    )
+    a = p.parse_args(argv)
+    torch.set_num_threads(2)
+    dataset_uri = storage.absolute(a.dataset_uri)
+    checkpoint = storage.absolute(a.checkpoint)
+    marker = storage.read_marker(dataset_uri)
+    users = eval_users(dataset_uri, a.max_users, seed=0)
+    base, ck_marker, max_len = load_ranker(checkpoint)
+    n_items = int(ck_marker["n_items"])
+    tc = TrainConfig(epochs=a.epochs, patience=a.epochs, lr=5e-4, val_users=32, negatives=63)
+    rows = []
+
+    def add(method: str, ratio: float, ranks: np.ndarray, **extra) -> None:
+        nd, hr = ndcg(ranks)
+        rows.append({"method": method, "ratio": round(ratio, 5), "ndcg10": nd, "hr10": hr} | extra)
+        print(f"{method:<34} ratio {ratio:8.5f}  NDCG@10 {nd:.4f}  HR@10 {hr:.4f}  {extra}")
+
+    t0 = time.perf_counter()
+    full_ranks = ranks_for(base, users, max_len, n_items, lambda h, _: base.prefill(h))
+    add("uncompressed fp16 KV", 1.0, full_ranks)
+    cfg = base.cfg
+    per_token_fp16 = 2 * cfg.kv_width * 2
+    int8_ratio = 2 * (cfg.kv_width + 2 * cfg.n_kv_heads) / per_token_fp16
+    add(
+        "int8 KV (scale per token, head)",
+        int8_ratio,
+        ranks_for(
+            base, users, max_len, n_items, lambda h, _: base.quantize_int8(base.prefill(h))[0]
+        ),
+    )
+
+    def fitted(run: str, **kw) -> dict:
+        summary = train_kv_pool.fit(
+            dataset_uri,
+            checkpoint,
+            a.out,
+            run=run,
+            ckv=kw.pop("ckv", None),
+            tc=tc,
+            **kw,
+        )
+        return summary
+
+    stamp = time.strftime("%H%M%S")
+    for r in [int(x) for x in a.low_ranks.split(",") if x]:
+        s = fitted(f"sweep-{stamp}-lowrank-r{r}", kv_rank=r)
+        model, _, _ = load_ranker(s["checkpoint"])
+        add(
+            f"low-rank KV, R={r}",
+            s["ratio"],
+            ranks_for(model, users, max_len, n_items, lambda h, _, m=model: m.prefill(h)),
+            fit_seconds=s["seconds"],
+        )
+    from models.config import CollectiveKVConfig
+
+    for m in [int(x) for x in a.pool_sizes.split(",") if x]:
+        for du in [int(x) for x in a.user_dims.split(",") if x]:
+            run = f"sweep-{stamp}-ckv-m{m}-u{du}"
+            s = fitted(run, ckv=CollectiveKVConfig(pool_size=m, user_dim=du))
+            built = build_user_states.build(dataset_uri, s["checkpoint"], a.out, run=run)
+            manifest, table = build_user_states.read_states(built["user_states"])
+            model, _, _ = load_ranker(s["checkpoint"])
+            ckv = model.cfg.collective_kv
+            stored = pl.from_arrow(table)
+            order = users.join(stored, on="user_id", how="left")
+
+            def from_states(h, sl, order=order, model=model, ckv=ckv):
+                part = order[sl].to_arrow()
+                return states.from_table(
+                    part,
+                    model.cfg.n_layers,
+                    ckv.user_dim,
+                    model.layers[0].self_attn.ckv.index_dtype,
+                )
+
+            use = manifest["router_use"]
+            add(
+                f"CollectiveKV M={m} d_u={du}",
+                manifest["ratio"],
+                ranks_for(model, users, max_len, n_items, from_states),
+                pool_size=m,
+                user_dim=du,
+                router_use=round(float(np.mean([u[f"{kv}_use"] for u in use for kv in "kv"])), 4),
+                entropy_bits=round(
+                    float(np.mean([u[f"{kv}_entropy_bits"] for u in use for kv in "kv"])), 3
+                ),
+                collapsed=manifest["collapsed_routers"],
+                fit_seconds=s["seconds"],
+            )
+    base_ndcg = rows[0]["ndcg10"]
+    for r in rows:
+        r["ndcg_vs_uncompressed"] = round(r["ndcg10"] / base_ndcg, 4) if base_ndcg else None
+    result = {
+        "dataset": marker["name"],
+        "checkpoint": checkpoint,
+        "test_users": users.height,
+        "fine_tune_epochs": a.epochs,
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": machine(),
+    }
+    path = a.json or f"benchmarks/results/kv_sweep_{marker['name']}.json"
+    write(path, result)
+    print("| method | ratio | NDCG@10 | vs uncompressed | HR@10 | router use | entropy (bits) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['ratio']:.3%} | {r['ndcg10']:.4f} | "
+            f"{r['ndcg_vs_uncompressed']} | {r['hr10']:.4f} | {r.get('router_use', '')} | "
+            f"{r.get('entropy_bits', '')} |"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
