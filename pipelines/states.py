@@ -36,6 +36,16 @@ def column(layer: int, field: str) -> str:
     return f"l{layer}_{field}"
 
 
+def is_state_column(name: str) -> bool:
+    """True for the per-layer buffers (l<i>_idx_k, ...), false for ids, history and length."""
+    return name[:1] == "l" and name[1:2].isdigit()
+
+
+def row_nbytes(row: dict) -> int:
+    """Bytes of compressed KV in one user's row."""
+    return sum(len(v) for c, v in row.items() if is_state_column(c))
+
+
 def schema(n_layers: int) -> pa.Schema:
     cols = [
         pa.field("user_id", pa.int64()),
@@ -128,5 +138,5 @@ def state_nbytes(table: pa.Table) -> int:
     return sum(
         int(pc.sum(pc.binary_length(table.column(c))).as_py() or 0)
         for c in table.column_names
-        if c[:1] == "l" and c[1:2].isdigit()
+        if is_state_column(c)
     )

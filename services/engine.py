@@ -1,0 +1,117 @@
+"""What a ranker replica computes, without Ray: rank candidates from stored states, extend them.
+
+A user's state travels as one row of ``pipelines.states`` (a dict: user_id, hist, hist_fb,
+length and per-layer index / user-part buffers): a few bytes per history item and layer, so
+any replica can take any user's state, expand it on its device and score - replicas keep
+nothing per user and scale freely.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from models.batches import history_batch
+from models.ranker import CompressedCache, Event, History
+from pipelines import states, storage
+
+Row = dict  # one user's state row (pipelines.states format)
+
+
+class RankEngine:
+    def __init__(self, manifest_uri: str, device: str = "cpu") -> None:
+        from pipelines.train_ranker import load_ranker
+
+        self.manifest = storage.read_marker(manifest_uri)
+        if self.manifest.get("kind") != "user_states":
+            raise ValueError(f"{manifest_uri} is not a user_states folder")
+        self.device = torch.device(device)
+        self.model, _, self.max_len = load_ranker(
+            self.manifest["checkpoint"], self.manifest.get("vectors_uri")
+        )
+        self.model.to(self.device).eval()
+        cfg = self.model.cfg
+        self.n_layers, self.user_dim = cfg.n_layers, cfg.collective_kv.user_dim
+        self.index_dtype = self.model.layers[0].self_attn.ckv.index_dtype
+        self.last_timings = {"expand_s": 0.0, "score_s": 0.0}
+        self._empty = self._prefill_rows([-1], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)])[0]
+
+    # -- state rows <-> caches
+
+    def _prefill_rows(self, user_ids, hist, fb) -> list[Row]:
+        h = history_batch(hist, fb, self.max_len)
+        h = History(h.vids.to(self.device), h.feedback.to(self.device), h.lengths.to(self.device))
+        cache = self.model.prefill(h)
+        return states.to_table(_cpu(cache), user_ids, hist, fb).to_pylist()
+
+    def _cache(self, rows: list[Row]) -> CompressedCache:
+        table = {k: [r[k] for r in rows] for k in rows[0]}
+        return states.from_table(
+            table, self.n_layers, self.user_dim, self.index_dtype, device=self.device
+        )
+
+    def empty_state(self, user_id: int) -> Row:
+        """The state of a user with no history: BOS only."""
+        return dict(self._empty, user_id=int(user_id))
+
+    # -- serving
+
+    @torch.no_grad()
+    def rank(self, rows: list[Row], candidates: list[list[int]], ks: list[int]):
+        """Per request: (vids, scores) of its top k candidates, best first. One expand and one
+        MIS forward for the whole batch of requests."""
+        t0 = time.perf_counter()
+        cache = self.model.expand(self._cache(rows))
+        t1 = time.perf_counter()
+        width = max(len(c) for c in candidates)
+        cand = torch.full((len(rows), width), -1, dtype=torch.long)
+        for i, c in enumerate(candidates):
+            cand[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
+        scores = self.model.score(cache, cand.to(self.device)).float().cpu()
+        self.last_timings = {"expand_s": t1 - t0, "score_s": time.perf_counter() - t1}
+        out = []
+        for i, (c, k) in enumerate(zip(candidates, ks, strict=True)):
+            top = torch.topk(scores[i, : len(c)], min(k, len(c)))
+            out.append((cand[i, top.indices].tolist(), top.values.tolist()))
+        return out
+
+    @torch.no_grad()
+    def extend(self, row: Row, vid: int, feedback: int) -> Row:
+        """The state after one more event: a decode step against the expanded state."""
+        cache = self.model.extend(
+            self._cache([row]),
+            Event(
+                torch.tensor([vid], device=self.device),
+                torch.tensor([feedback], device=self.device),
+            ),
+        )
+        hist = np.append(np.asarray(row["hist"], dtype=np.int64), vid)
+        fb = np.append(np.asarray(row["hist_fb"], dtype=np.int64), feedback)
+        return states.to_table(_cpu(cache), [row["user_id"]], [hist], [fb]).to_pylist()[0]
+
+
+def _cpu(cache: CompressedCache) -> CompressedCache:
+    return CompressedCache([s.map(lambda t: t.cpu()) for s in cache.layers], cache.lengths.cpu())
+
+
+def append_token(row: Row, token: dict[str, bytes], vid: int, feedback: int) -> Row:
+    """``row`` plus one cached token given as its per-layer buffers (what the log stores)."""
+    new = dict(row)
+    for col, tail in token.items():
+        new[col] = row[col] + tail
+    new["hist"] = [*row["hist"], int(vid)]
+    new["hist_fb"] = [*row["hist_fb"], int(feedback)]
+    new["length"] = int(row["length"]) + 1
+    return new
+
+
+def token_of(before: Row, after: Row) -> dict[str, bytes]:
+    """The buffers ``after`` adds to ``before`` (one cached token per layer)."""
+    return {c: after[c][len(before[c]) :] for c in after if states.is_state_column(c)}
+
+
+def rows_table(rows: list[Row], n_layers: int) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=states.schema(n_layers))

@@ -1,0 +1,85 @@
+"""Typed settings of the Serve application; ``infra/serve_config.yaml`` sets the same fields.
+
+Every field has a default sized for one machine; ``from_args`` takes the ``args`` of a Serve
+config (or ``serve run services.app:build_app key=value ...``) and rejects unknown keys and
+bad values with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    manifest_uri: str  # a published user_states folder (build_user_states): the ONE input
+    # where the store keeps its write-ahead log and snapshots; default <out>/serving/<run>
+    store_uri: str | None = None
+    shards: int = 2  # UserStateStore shards; a user lives in shard user_id % shards
+    snapshot_every: int = 1000  # events per shard between snapshots (the log is then cut)
+    max_candidates: int = 2048  # per /v1/rank request
+    max_k: int = 1000
+    max_body_bytes: int = 1 << 20
+    # ranker replicas: stateless, autoscaled on ongoing requests
+    ranker_min_replicas: int = 1
+    ranker_max_replicas: int = 2
+    ranker_target_ongoing_requests: float = 16.0
+    ranker_max_ongoing_requests: int = 64
+    ranker_num_cpus: float = 0.5
+    ranker_num_gpus: float = 0.0  # 1 in production: model, item table and pools on the GPU
+    batch_max_size: int = 16  # requests scored in one forward pass
+    batch_wait_timeout_s: float = 0.005
+    torch_threads: int = 1
+    ingress_num_cpus: float = 0.25
+    store_num_cpus: float = 0.25
+
+    def __post_init__(self) -> None:
+        positive = (
+            "shards",
+            "snapshot_every",
+            "max_candidates",
+            "max_k",
+            "max_body_bytes",
+            "ranker_min_replicas",
+            "ranker_max_replicas",
+            "ranker_max_ongoing_requests",
+            "batch_max_size",
+            "torch_threads",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ranker_min_replicas > self.ranker_max_replicas:
+            raise SettingsError("ranker_min_replicas must be <= ranker_max_replicas")
+        if not self.manifest_uri:
+            raise SettingsError("manifest_uri is required: a build_user_states output folder")
+
+    def resolved_store_uri(self) -> str:
+        if self.store_uri:
+            return self.store_uri
+        root, run = self.manifest_uri.rstrip("/").rsplit("/", 1)
+        parent = root.rsplit("/", 1)[0] if root.rstrip("/").endswith("user_states") else root
+        return f"{parent}/serving/{run}"
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> ServeSettings:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - set(fields))
+        if unknown:
+            raise SettingsError(f"unknown setting(s): {', '.join(unknown)}")
+        values = {}
+        for name, value in args.items():
+            kind = type(fields[name].default) if name != "manifest_uri" else str
+            if name == "store_uri":
+                kind = str
+            try:
+                values[name] = kind(value) if value is not None else None
+            except (TypeError, ValueError) as e:
+                raise SettingsError(f"{name}: {value!r} is not a {kind.__name__}") from e
+        return cls(**values)

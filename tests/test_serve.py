@@ -1,0 +1,158 @@
+"""The Serve application over real HTTP on 127.0.0.1: ranking equals scoring the stored state
+directly, bad input gets a 4xx naming the field, events extend a user's state durably (they
+survive the shard's replica being killed)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+
+from models.config import CollectiveKVConfig
+from pipelines import build_user_states, states, storage, train_kv_pool, train_ranker
+from tests.conftest import free_port
+from tests.tiny import TINY_SHAPE, base_texts, prepare, write_catalog, write_sequences
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, ray_local):
+    """A tiny CollectiveKV ranker's states behind the app: {"url", "states"}."""
+    from ray import serve
+
+    from services.app import build_app
+
+    d = tmp_path_factory.mktemp("serve")
+    out = str(d / "out")
+    ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
+    args = train_ranker.parse_args(
+        ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1", *TINY_SHAPE]
+    )
+    rc, tc = train_ranker.configs_from_args(args, 5)
+    base = train_ranker.train(ds, None, out, "base", rc, tc)
+    fit = train_kv_pool.fit(
+        ds,
+        base["checkpoint"],
+        out,
+        run="ckv",
+        ckv=CollectiveKVConfig(pool_size=16),
+        tc=tc,
+        init_users=40,
+        init_tokens=200,
+    )
+    built = build_user_states.build(ds, fit["checkpoint"], out, actors=1)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = {
+        "manifest_uri": built["user_states"],
+        "shards": 2,
+        "max_candidates": 50,
+        "max_body_bytes": 4096,
+        "snapshot_every": 3,
+    }
+    serve.run(build_app(settings), name="kvrank", route_prefix="/")
+    yield {"url": f"http://127.0.0.1:{port}", "states": built["user_states"]}
+    serve.shutdown()
+
+
+def post(served, path: str, body=None, **kw) -> httpx.Response:
+    return httpx.post(served["url"] + path, json=body, timeout=60, **kw)
+
+
+def test_rank_matches_scoring_the_stored_state(served):
+    from services.engine import RankEngine
+
+    assert httpx.get(served["url"] + "/healthz").json() == {"status": "ok"}
+    manifest, table = build_user_states.read_states(served["states"])
+    row = table.to_pylist()[3]
+    engine = RankEngine(served["states"])
+    items_table = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
+    vid_of = dict(zip(*items_table.select(["item_id", "vid"]).to_pydict().values(), strict=True))
+    items = [5, 17, 23, 42, 8, 31]
+    r = post(served, "/v1/rank", {"user_id": row["user_id"], "candidate_item_ids": items, "k": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["known_user"] and body["history_length"] == len(row["hist"])
+    cache = states.from_table(table.slice(3, 1), 2, 1, torch.uint16)
+    want = engine.model.score(cache, torch.tensor([[vid_of[i] for i in items]]))[0]
+    order = torch.argsort(want, descending=True)[:4]
+    assert [x["item_id"] for x in body["items"]] == [items[i] for i in order]
+    assert [x["score"] for x in body["items"]] == pytest.approx(want[order].tolist(), abs=1e-5)
+
+
+def test_unknown_user_ranks_from_an_empty_history(served):
+    r = post(served, "/v1/rank", {"user_id": 10**9, "candidate_item_ids": [1, 2, 3], "k": 10})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert not body["known_user"] and body["history_length"] == 0
+    assert "unknown user" in body["note"] and len(body["items"]) == 3
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"user_id": 1, "candidate_item_ids": [1, 999], "k": 2}, "candidate_item_ids"),
+        ({"user_id": 1, "candidate_item_ids": [1, 1], "k": 2}, "candidate_item_ids"),
+        ({"user_id": 1, "candidate_item_ids": [], "k": 2}, "candidate_item_ids"),
+        ({"user_id": 1, "candidate_item_ids": list(range(51)), "k": 2}, "candidate_item_ids"),
+        ({"user_id": 1, "candidate_item_ids": [1, 2], "k": 0}, "k"),
+        ({"user_id": 1, "candidate_item_ids": [1, 2], "k": 100_000}, "k"),
+        ({"user_id": "one", "candidate_item_ids": [1, 2], "k": 2}, "user_id"),
+        ({"user_id": 1, "candidate_item_ids": ["1"], "k": 2}, "candidate_item_ids"),
+        ({"user_id": 1, "candidate_item_ids": [1], "k": 2, "extra": 1}, "extra"),
+    ],
+)
+def test_bad_rank_requests_get_a_4xx_naming_the_field(served, body, field):
+    r = post(served, "/v1/rank", body)
+    assert r.status_code == 422, r.text
+    assert field in str(r.json()["detail"])
+
+
+def test_malformed_and_oversized_bodies(served):
+    r = httpx.post(
+        served["url"] + "/v1/rank",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 422
+    big = {"user_id": 1, "candidate_item_ids": [1], "k": 1, "pad": "x" * 5000}
+    assert post(served, "/v1/rank", big).status_code == 413
+    r = post(served, "/v1/events", {"user_id": 1, "item_id": 12345})
+    assert r.status_code == 422 and "item_id" in str(r.json()["detail"])
+
+
+def test_events_are_durable_across_a_killed_store_replica(served):
+    import ray
+
+    user = 4  # shard 0 of 2
+    before = httpx.get(f"{served['url']}/v1/users/{user}").json()
+    for item, fb in ((7, 4), (12, 2), (33, 0), (9, 3)):  # snapshot_every 3: one snapshot
+        r = post(served, "/v1/events", {"user_id": user, "item_id": item, "feedback": fb})
+        assert r.status_code == 200, r.text
+    after = httpx.get(f"{served['url']}/v1/users/{user}").json()
+    assert after["history_length"] == before["history_length"] + 4
+    assert after["state_bytes"] > before["state_bytes"]
+    new_user = post(served, "/v1/events", {"user_id": 10**6, "item_id": 3}).json()
+    assert new_user["history_length"] == 1
+
+    replicas = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if "UserStateStore0" in a["name"]
+    ]
+    assert replicas, "no UserStateStore0 replica found"
+    for a in replicas:
+        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+    deadline = time.time() + 120
+    while True:  # Serve replaces the replica; it reloads its snapshot and replays the log
+        try:
+            got = httpx.get(f"{served['url']}/v1/users/{user}", timeout=10)
+            if got.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "the store shard did not come back"
+        time.sleep(1)
+    assert got.json() == after
+    assert httpx.get(f"{served['url']}/v1/users/{10**6}").json()["history_length"] == 1
+    stats = httpx.get(served["url"] + "/v1/stats").json()
+    assert stats["store"]["users"] >= 41
