@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvrank-installed
 OUT    ?= out
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench kv-sweep lint clean
+.PHONY: install demo test bench kv-sweep serve lint clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ bench: $(STAMP)
 kv-sweep: $(STAMP)
 	$(PY) -m benchmarks.kv_sweep --dataset-uri $(DEMO_DATA) --out $(OUT) \
 		--checkpoint $(OUT)/checkpoints/ml-latest-small-text
+
+# the Serve app on 127.0.0.1:8000 over the demo's user states (make demo first)
+serve: $(STAMP)
+	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run --address local infra/serve_config.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -82,4 +82,10 @@ class ServeSettings:
                 values[name] = kind(value) if value is not None else None
             except (TypeError, ValueError) as e:
                 raise SettingsError(f"{name}: {value!r} is not a {kind.__name__}") from e
+        from pipelines import storage
+
+        # replicas do not share the caller's working directory: pin relative paths now
+        for name in ("manifest_uri", "store_uri"):
+            if values.get(name):
+                values[name] = storage.absolute(values[name])
         return cls(**values)
