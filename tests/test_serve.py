@@ -194,3 +194,49 @@ def test_settings_reject_unknown_and_bad_values():
         ServeSettings.from_args({"manifest_uri": "m", "shards": "0"})
     with pytest.raises(SettingsError, match="max_k: 'many' is not a int"):
         ServeSettings.from_args({"manifest_uri": "m", "max_k": "many"})
+
+
+def test_fuzzing_the_openapi_schema_gives_no_server_errors(served):
+    """Schemathesis generates requests from the app's own OpenAPI schema - valid ones and ones
+    that break it (wrong types, missing fields, out-of-range values): none may get a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(served["url"] + "/openapi.json")
+    operations = [r.ok() for r in schema.get_all_operations()]
+    assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
+        "POST /v1/rank",
+        "POST /v1/events",
+        "GET /v1/users/{user_id}",
+        "GET /healthz",
+        "GET /v1/stats",
+    }
+    calls = []
+    for op in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @settings(
+                max_examples=25,
+                deadline=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+                database=None,
+            )
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                response = case.call(base_url=served["url"], timeout=60)
+                calls.append(response.status_code)
+                assert response.status_code < 500, (
+                    case.method,
+                    case.path,
+                    case.body,
+                    response.text,
+                )
+
+            try:
+                check()
+            except Unsatisfiable:  # no invalid input exists: the operation takes no parameters
+                assert mode == GenerationMode.NEGATIVE and op.path in ("/healthz", "/v1/stats")
+    assert len(calls) > 100 and any(c == 200 for c in calls) and any(c == 422 for c in calls)
