@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvrank-installed
 OUT    ?= out
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench kv-sweep serve lint clean
+.PHONY: install demo test bench kv-sweep serve serve-load lint clean
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ kv-sweep: $(STAMP)
 # the Serve app on 127.0.0.1:8000 over the demo's user states (make demo first)
 serve: $(STAMP)
 	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run --address local infra/serve_config.yaml
+
+# HTTP load on the Serve app vs the full-forward baseline, over the demo's user states
+serve-load: $(STAMP)
+	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.serve_load \
+		--manifest-uri $(OUT)/user_states/ml-latest-small-ckv
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

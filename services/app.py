@@ -134,6 +134,24 @@ class Ranker:
 
 
 @serve.deployment
+class BaselineRanker:
+    """Benchmarks only: the same model, every candidate scored by its own full forward."""
+
+    def __init__(self, settings: dict) -> None:
+        import torch
+
+        from services.engine import RankEngine
+
+        s = ServeSettings(**settings)
+        torch.set_num_threads(s.torch_threads)
+        self.engine = RankEngine(s.manifest_uri)
+
+    def rank(self, request: tuple[dict, list[int], int]):
+        row, cands, k = request
+        return self.engine.rank_full([row], [cands], [k])[0]
+
+
+@serve.deployment
 class UserStateStore:
     def __init__(self, settings: dict, shard: int, ranker) -> None:
         from services.store import ShardStore
@@ -194,7 +212,7 @@ async def limit_body(request: Request, call_next):
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, settings: dict, ranker, *stores) -> None:
+    def __init__(self, settings: dict, ranker, baseline, *stores) -> None:
         from pipelines import storage
 
         self.s = ServeSettings(**settings)
@@ -207,7 +225,7 @@ class Ingress:
         self.vid_of = dict(zip(ids.tolist(), vids.tolist(), strict=True))
         self.item_of = np.empty(len(ids), dtype=np.int64)
         self.item_of[vids] = ids
-        self.ranker, self.stores = ranker, list(stores)
+        self.ranker, self.baseline, self.stores = ranker, baseline, list(stores)
         self.counts = {"rank_requests": 0, "candidates": 0, "events": 0, "rejected": 0}
         self.started = time.time()
 
@@ -230,6 +248,16 @@ class Ingress:
 
     @app.post("/v1/rank", response_model=RankResponse)
     async def rank(self, req: RankRequest) -> RankResponse:
+        return await self._rank(req, self.ranker)
+
+    @app.post("/v1/rank_full", response_model=RankResponse, include_in_schema=False)
+    async def rank_full(self, req: RankRequest) -> RankResponse:
+        """The no-KV-reuse baseline (deployed with ``baseline: true``, for benchmarks)."""
+        if self.baseline is None:
+            raise HTTPException(status_code=404, detail="the baseline ranker is not deployed")
+        return await self._rank(req, self.baseline)
+
+    async def _rank(self, req: RankRequest, ranker) -> RankResponse:
         n = len(req.candidate_item_ids)
         if n > self.s.max_candidates:
             raise self._bad(
@@ -244,7 +272,7 @@ class Ingress:
         known = row is not None
         if not known:
             row = await self.ranker.empty_state.remote(req.user_id)
-        top_vids, scores = await self.ranker.rank.remote((row, vids, req.k))
+        top_vids, scores = await ranker.rank.remote((row, vids, req.k))
         self.counts["rank_requests"] += 1
         self.counts["candidates"] += n
         return RankResponse(
@@ -312,9 +340,17 @@ def build_app(args: dict):
         ).bind(conf, i, ranker)
         for i in range(s.shards)
     ]
+    baseline = (
+        BaselineRanker.options(
+            max_ongoing_requests=s.ranker_max_ongoing_requests,
+            ray_actor_options={"num_cpus": s.ranker_num_cpus},
+        ).bind(conf)
+        if s.baseline
+        else None
+    )
     return Ingress.options(
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
             "runtime_env": {"env_vars": {BODY_LIMIT_ENV: str(s.max_body_bytes)}},
         }
-    ).bind(conf, ranker, *stores)
+    ).bind(conf, ranker, baseline, *stores)

@@ -79,6 +79,32 @@ class RankEngine:
         return out
 
     @torch.no_grad()
+    def rank_full(
+        self, rows: list[Row], candidates: list[list[int]], ks: list[int], chunk: int = 64
+    ):
+        """The no-reuse baseline: every candidate gets its own full forward over the user's
+        history plus itself (the dense reference path), ``chunk`` sequences at a time. Same
+        model, same scores as ``rank`` up to float rounding; only the cost differs."""
+        out = []
+        for row, cands, k in zip(rows, candidates, ks, strict=True):
+            hist = np.asarray(row["hist"], dtype=np.int64)[-self.max_len :]
+            fb = np.asarray(row["hist_fb"], dtype=np.int64)[-self.max_len :]
+            h = history_batch([hist], [fb], self.max_len)
+            scores = []
+            for i in range(0, len(cands), chunk):
+                c = torch.as_tensor(cands[i : i + chunk], dtype=torch.long, device=self.device)
+                rep = History(
+                    h.vids.to(self.device).expand(len(c), -1),
+                    h.feedback.to(self.device).expand(len(c), -1),
+                    h.lengths.to(self.device).expand(len(c)),
+                )
+                scores.append(self.model.score_reference(rep, c[:, None])[:, 0].float().cpu())
+            s = torch.cat(scores)
+            top = torch.topk(s, min(k, len(cands)))
+            out.append(([cands[i] for i in top.indices.tolist()], top.values.tolist()))
+        return out
+
+    @torch.no_grad()
     def extend(self, row: Row, vid: int, feedback: int) -> Row:
         """The state after one more event: a decode step against the expanded state."""
         cache = self.model.extend(

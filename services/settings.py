@@ -38,6 +38,9 @@ class ServeSettings:
     torch_threads: int = 1
     ingress_num_cpus: float = 0.25
     store_num_cpus: float = 0.25
+    # benchmarks only: also deploy a ranker that scores every candidate with its own full
+    # forward (no KV reuse) behind POST /v1/rank_full, to measure what MIS saves
+    baseline: bool = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -78,6 +81,10 @@ class ServeSettings:
             kind = type(fields[name].default) if name != "manifest_uri" else str
             if name == "store_uri":
                 kind = str
+            if kind is bool and isinstance(value, str):
+                value = {"true": True, "false": False}.get(value.lower(), value)
+                if isinstance(value, str):
+                    raise SettingsError(f"{name}: {value!r} is not true or false")
             try:
                 values[name] = kind(value) if value is not None else None
             except (TypeError, ValueError) as e:

@@ -1,0 +1,149 @@
+"""Closed-loop HTTP load against the Serve app on 127.0.0.1: MIS from stored states vs a
+baseline that scores every candidate with its own full forward, same model, same run.
+
+    python -m benchmarks.serve_load --manifest-uri out/user_states/ml-latest-small-ckv \\
+        [--concurrency 1,8,32,64] [--seconds 20] [--candidates 100]
+
+Starts a local Ray and the app (``services.app.build_app`` with ``baseline: true``), then for
+each concurrency c runs c clients that each send requests back to back for ``--seconds``: a
+random stored user and ``--candidates`` distinct random items, top 10. Reports candidate scores
+per second, p50/p95/p99 latency and errors, for ``/v1/rank`` (ours) and ``/v1/rank_full`` (the
+baseline), plus the request bytes with item ids against sending each candidate's vector.
+Writes ``benchmarks/results/serve_load.json``. Client and server share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import numpy as np
+
+from benchmarks.report import machine, write
+
+
+async def closed_loop(url: str, bodies: list[dict], concurrency: int, seconds: float) -> dict:
+    import httpx
+
+    latencies, errors, done = [], 0, 0
+    stop = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def worker(i: int) -> None:
+            nonlocal errors, done
+            rng = random.Random(i)
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                try:
+                    r = await client.post(url, json=rng.choice(bodies))
+                    ok = r.status_code == 200
+                except Exception:  # noqa: BLE001 - a failed request is counted, not fatal
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - t0)
+                    done += 1
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    lat = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
+    n_cands = len(bodies[0]["candidate_item_ids"])
+    return {
+        "concurrency": concurrency,
+        "requests": done,
+        "errors": errors,
+        "seconds": round(elapsed, 2),
+        "candidate_scores_per_s": round(done * n_cands / elapsed, 1),
+        "p50_ms": round(float(np.percentile(lat, 50)), 1),
+        "p95_ms": round(float(np.percentile(lat, 95)), 1),
+        "p99_ms": round(float(np.percentile(lat, 99)), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    import ray
+    from ray import serve
+
+    from pipelines import build_user_states, storage
+    from services.app import build_app
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load")
+    p.add_argument("--manifest-uri", required=True, help="a build_user_states output")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--candidates", type=int, default=100)
+    p.add_argument("--port", type=int, default=8311)
+    p.add_argument("--out", default="benchmarks/results/serve_load.json")
+    a = p.parse_args(argv)
+    manifest, table = build_user_states.read_states(a.manifest_uri)
+    items = storage.read_parquet(
+        storage.join(manifest["dataset_uri"], "items.parquet"), columns=["item_id"]
+    )
+    item_ids = items.column("item_id").to_pylist()
+    users = table.column("user_id").to_pylist()
+    rng = random.Random(0)
+    bodies = [
+        {
+            "user_id": rng.choice(users),
+            "candidate_item_ids": rng.sample(item_ids, a.candidates),
+            "k": 10,
+        }
+        for _ in range(256)
+    ]
+    dim = 384
+    with_vectors = dict(bodies[0], candidate_vectors=[[0.123456] * dim] * a.candidates)
+    payload = {
+        "ids_bytes": len(json.dumps(bodies[0]).encode()),
+        "vectors_bytes": len(json.dumps(with_vectors).encode()),
+        "vector_dim": dim,
+    }
+    payload["reduction"] = round(1 - payload["ids_bytes"] / payload["vectors_bytes"], 4)
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": a.port})
+    serve.run(
+        build_app({"manifest_uri": storage.absolute(a.manifest_uri), "baseline": True}),
+        name="kvrank",
+        route_prefix="/",
+    )
+    base = f"http://127.0.0.1:{a.port}"
+    levels = [int(c) for c in a.concurrency.split(",")]
+    results = {"mis": [], "full_forward_baseline": []}
+    for name, path in (("mis", "/v1/rank"), ("full_forward_baseline", "/v1/rank_full")):
+        asyncio.run(closed_loop(base + path, bodies, 1, 2.0))  # warm-up
+        for c in levels:
+            r = asyncio.run(closed_loop(base + path, bodies, c, a.seconds))
+            results[name].append(r)
+            print(name, json.dumps(r), flush=True)
+    top = {r["concurrency"]: r for r in results["mis"]}
+    base_top = {r["concurrency"]: r for r in results["full_forward_baseline"]}
+    ratios = {
+        str(c): round(
+            top[c]["candidate_scores_per_s"] / max(base_top[c]["candidate_scores_per_s"], 1e-9), 1
+        )
+        for c in levels
+    }
+    report = {
+        "benchmark": "serve_load",
+        "manifest_uri": a.manifest_uri,
+        "candidates_per_request": a.candidates,
+        "seconds_per_level": a.seconds,
+        "results": results,
+        "mis_over_baseline_scores_per_s": ratios,
+        "request_payload": payload,
+        "machine": machine(),
+    }
+    write(a.out, report)
+    serve.shutdown()
+    ray.shutdown()
+    print(json.dumps({"mis_over_baseline": ratios, "payload": payload}))
+
+
+if __name__ == "__main__":
+    main()
