@@ -336,6 +336,7 @@ def build_app(args: dict):
         UserStateStore.options(
             name=f"UserStateStore{i}",
             num_replicas=1,
+            max_ongoing_requests=s.store_max_ongoing_requests,
             ray_actor_options={"num_cpus": s.store_num_cpus},
         ).bind(conf, i, ranker)
         for i in range(s.shards)
@@ -349,8 +350,9 @@ def build_app(args: dict):
         else None
     )
     return Ingress.options(
+        max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
             "runtime_env": {"env_vars": {BODY_LIMIT_ENV: str(s.max_body_bytes)}},
-        }
+        },
     ).bind(conf, ranker, baseline, *stores)

@@ -38,6 +38,10 @@ class ServeSettings:
     torch_threads: int = 1
     ingress_num_cpus: float = 0.25
     store_num_cpus: float = 0.25
+    # the ingress and the stores only wait on others: let them hold many requests, or Serve's
+    # router backs off at their limit and throughput collapses under load
+    ingress_max_ongoing_requests: int = 512
+    store_max_ongoing_requests: int = 256
     # benchmarks only: also deploy a ranker that scores every candidate with its own full
     # forward (no KV reuse) behind POST /v1/rank_full, to measure what MIS saves
     baseline: bool = False
@@ -54,6 +58,8 @@ class ServeSettings:
             "ranker_max_ongoing_requests",
             "batch_max_size",
             "torch_threads",
+            "ingress_max_ongoing_requests",
+            "store_max_ongoing_requests",
         )
         for name in positive:
             if getattr(self, name) <= 0:
