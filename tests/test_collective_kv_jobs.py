@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models.collective_kv import state_bytes_per_token
-from models.config import CollectiveKVConfig, RankerConfig
+from models.config import CollectiveKVConfig
 from models.ranker import History, Ranker
 from pipelines import (
     analyze_kv,
@@ -24,23 +24,12 @@ from pipelines import (
     train_kv_pool,
     train_ranker,
 )
+from tests.test_ranker import tiny_ranker
 from tests.tiny import N_USERS, TINY_SHAPE, TINY_TRAIN, run_json
 
 
 def tiny_ckv_ranker(user_dim: int = 2) -> Ranker:
-    torch.manual_seed(0)
-    cfg = RankerConfig(
-        item_dim=16,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        ffn_dim=64,
-        collective_kv=CollectiveKVConfig(pool_size=64, user_dim=user_dim),
-        item_input="id",
-    )
-    return Ranker(cfg, n_items=50).eval()
+    return tiny_ranker(CollectiveKVConfig(pool_size=64, user_dim=user_dim), item_input="id")
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -72,7 +61,7 @@ def test_state_round_trip_through_parquet(where, tmp_path, request):
             assert getattr(a, f).dtype == getattr(b, f).dtype
             for u, n in enumerate(cache.lengths.tolist()):  # padding is not stored
                 assert torch.equal(bits(getattr(a, f))[u, :n], bits(getattr(b, f))[u, :n])
-    cands = torch.randint(0, 50, (3, 12))
+    cands = torch.randint(0, 60, (3, 12))
     assert torch.equal(model.score(cache, cands), model.score(back, cands))
     with pytest.raises(ValueError, match="does not match the model"):
         states.from_table(table, 2, 4, torch.uint16)  # read with the wrong d_u
