@@ -34,7 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines import jobs, states, storage
-from pipelines.data import blocks, user_sequences
+from pipelines.data import user_sequences
+from pipelines.ranker_actors import RankerActor, map_with_rankers
 from pipelines.sources import InputError
 
 log = logging.getLogger("kvrank.build_user_states")
@@ -42,16 +43,8 @@ log = logging.getLogger("kvrank.build_user_states")
 USERS_PER_FILE = 100_000
 
 
-class BuildStates:
+class BuildStates(RankerActor):
     """Ray Data callable class: prefill a batch of users and return their state rows."""
-
-    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
-        import torch
-
-        from pipelines.train_ranker import load_ranker
-
-        torch.set_num_threads(max(1, threads))
-        self.model, _, self.max_len = load_ranker(checkpoint, vectors_uri)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         from models.batches import history_batch
@@ -119,7 +112,6 @@ def build(
 
     from models.collective_kv import full_kv_bytes, state_bytes_per_token
     from models.config import RankerConfig
-    from pipelines.ray_runtime import init_ray
 
     t0 = time.perf_counter()
     dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
@@ -143,17 +135,14 @@ def build(
     run = run or checkpoint.rstrip("/").rsplit("/", 1)[-1]
     target = storage.join(out, "user_states", run)
     storage.check_writable(target)
-    init_ray()
-    cpus = ray.cluster_resources().get("CPU", 1)
     log.info("building states of %d users with %s", users.height, checkpoint)
-    ds = ray.data.from_arrow(blocks(users.to_arrow(), actors * 4))
-    res = ds.map_batches(
+    res = map_with_rankers(
+        users.to_arrow(),
         BuildStates,
-        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus // actors))),
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        checkpoint,
+        vectors_uri,
+        actors=actors,
         batch_size=batch_size,
-        batch_format="numpy",
-        num_cpus=cpus / actors,
     )
     table = pa.concat_tables(ray.get(res.to_arrow_refs())).sort_by("user_id")
     tokens = int(pc.sum(table.column("length")).as_py() or 0)

@@ -36,7 +36,8 @@ import polars as pl
 import pyarrow as pa
 
 from pipelines import jobs, storage
-from pipelines.data import blocks, user_sequences
+from pipelines.data import user_sequences
+from pipelines.ranker_actors import RankerActor, map_with_rankers
 from pipelines.sources import InputError
 
 log = logging.getLogger("kvrank.evaluate")
@@ -44,19 +45,14 @@ log = logging.getLogger("kvrank.evaluate")
 LENGTH_BUCKETS = (0, 5, 10, 20, 50, 100, 200, 500, 10**9)
 
 
-class ScoreUsers:
+class ScoreUsers(RankerActor):
     """Ray Data callable class: ranks of each user's test item under one checkpoint."""
 
     def __init__(
         self, checkpoint: str, vectors_uri: str | None, threads: int, from_states: bool = False
     ) -> None:
-        import torch
-
-        from pipelines.train_ranker import load_ranker
-
-        torch.set_num_threads(max(1, threads))
-        self.model, marker, self.max_len = load_ranker(checkpoint, vectors_uri)
-        self.n_items = int(marker["n_items"])
+        super().__init__(checkpoint, vectors_uri, threads)
+        self.n_items = int(self.marker["n_items"])
         self.from_states = from_states
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -189,8 +185,6 @@ def evaluate(
 ) -> dict:
     import ray
 
-    from pipelines.ray_runtime import init_ray
-
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)
     states_manifest, states_table = None, None
@@ -231,8 +225,6 @@ def evaluate(
         if missing:
             raise InputError(f"{user_states} has no state for {missing} of the test users")
         users = users.join(stored, on="user_id", how="left")
-    init_ray()
-    cpus = ray.cluster_resources().get("CPU", 1)
     models = {"ranker": checkpoint} | ({"ranker_id": id_checkpoint} if id_checkpoint else {})
     if states_manifest is not None and ckpt_marker.get("base_checkpoint"):
         # the ranker the pools were fitted to, with its full KV: what compression costs
@@ -240,19 +232,14 @@ def evaluate(
     table = users.to_arrow()
     for name, ck in models.items():
         log.info("scoring %d users with %s (%s)", users.height, name, ck)
-        ds = ray.data.from_arrow(blocks(table, actors * 4))
-        res = ds.map_batches(
+        res = map_with_rankers(
+            table,
             ScoreUsers,
-            fn_constructor_args=(
-                ck,
-                vectors_uri,
-                max(1, int(cpus // actors)),
-                states_table is not None and name == "ranker",
-            ),
-            compute=ray.data.ActorPoolStrategy(size=actors),
+            ck,
+            vectors_uri,
+            actors=actors,
             batch_size=16,
-            batch_format="numpy",
-            num_cpus=cpus / actors,
+            extra_args=(states_table is not None and name == "ranker",),
         )
         ranks = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs()))).select(
             "user_id",

@@ -40,23 +40,16 @@ import polars as pl
 
 from models.config import CollectiveKVConfig
 from pipelines import jobs, storage
-from pipelines.data import blocks, user_sequences
+from pipelines.data import user_sequences
+from pipelines.ranker_actors import RankerActor, map_with_rankers
 from pipelines.sources import InputError
 
 log = logging.getLogger("kvrank.train_kv_pool")
 
 
-class KVInputs:
+class KVInputs(RankerActor):
     """Ray Data callable class: per cached token of a batch of users, each layer's normed
     input (the x that K and V are projected from) and the token's user."""
-
-    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
-        import torch
-
-        from pipelines.train_ranker import load_ranker
-
-        torch.set_num_threads(max(1, threads))
-        self.model, _, self.max_len = load_ranker(checkpoint, vectors_uri)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from models.batches import history_batch
@@ -84,9 +77,6 @@ def collect_kv_inputs(
     """(per layer x (N, d_model), user id per row) for up to ``max_tokens`` cached tokens of
     ``users`` seeded random users with ``min_history``+ history items (their training
     histories), via a Ray Data actor pool."""
-    import ray
-
-    from pipelines.ray_runtime import init_ray
 
     seqs = user_sequences(dataset_uri).select("user_id", "hist", "hist_fb")
     seqs = seqs.filter(pl.col("hist").list.len() >= max(1, min_history))
@@ -97,16 +87,8 @@ def collect_kv_inputs(
         )
     rng = np.random.default_rng(seed)
     seqs = seqs[np.sort(rng.choice(seqs.height, size=min(users, seqs.height), replace=False))]
-    init_ray()
-    cpus = ray.cluster_resources().get("CPU", 1)
-    ds = ray.data.from_arrow(blocks(seqs.to_arrow(), actors * 4))
-    res = ds.map_batches(
-        KVInputs,
-        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus // actors))),
-        compute=ray.data.ActorPoolStrategy(size=actors),
-        batch_size=16,
-        batch_format="numpy",
-        num_cpus=cpus / actors,
+    res = map_with_rankers(
+        seqs.to_arrow(), KVInputs, checkpoint, vectors_uri, actors=actors, batch_size=16
     )
     parts = list(res.iter_batches(batch_size=None, batch_format="numpy"))
     user = np.concatenate([p["user_id"] for p in parts])

@@ -1,0 +1,49 @@
+"""Ray Data actor pools that hold a trained ranker: the shared part of evaluate,
+build_user_states and the K/V collection of train_kv_pool / analyze_kv."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from pipelines.data import blocks
+
+
+class RankerActor:
+    """Base of the callable classes: each actor loads the ranker (and its item table) once."""
+
+    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
+        import torch
+
+        from pipelines.train_ranker import load_ranker
+
+        torch.set_num_threads(max(1, threads))
+        self.model, self.marker, self.max_len = load_ranker(checkpoint, vectors_uri)
+
+
+def map_with_rankers(
+    table: pa.Table,
+    actor_cls: type[RankerActor],
+    checkpoint: str,
+    vectors_uri: str | None,
+    *,
+    actors: int,
+    batch_size: int,
+    extra_args: tuple = (),
+):
+    """``table`` mapped in numpy batches by a pool of ``actors`` ``actor_cls`` actors sharing
+    the cluster's CPUs; the table is pre-cut into blocks (see ``data.blocks``)."""
+    import ray
+
+    from pipelines.ray_runtime import init_ray
+
+    init_ray()
+    cpus = ray.cluster_resources().get("CPU", 1)
+    ds = ray.data.from_arrow(blocks(table, actors * 4))
+    return ds.map_batches(
+        actor_cls,
+        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus // actors)), *extra_args),
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        batch_size=batch_size,
+        batch_format="numpy",
+        num_cpus=cpus / actors,
+    )
