@@ -68,6 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
     p.add_argument("--max-users", type=int, default=200, help="seeded sample of test users")
     p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="optimizer steps per fine-tuning epoch (0: a whole epoch; cap it on large datasets)",
+    )
+    p.add_argument(
+        "--sample-states",
+        action="store_true",
+        help="build states for the sampled test users only (router use is then theirs)",
+    )
+    p.add_argument(
         "--json", default=None, help="default: benchmarks/results/kv_sweep_<dataset>.json"
     )
     a = p.parse_args(argv)
@@ -78,7 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     users = eval_users(dataset_uri, a.max_users, seed=0)
     base, ck_marker, max_len = load_ranker(checkpoint)
     n_items = int(ck_marker["n_items"])
-    tc = TrainConfig(epochs=a.epochs, patience=a.epochs, lr=5e-4, val_users=32, negatives=63)
+    tc = TrainConfig(
+        epochs=a.epochs,
+        patience=a.epochs,
+        lr=5e-4,
+        val_users=32,
+        negatives=63,
+        max_steps=a.max_steps,
+    )
     rows = []
 
     def add(method: str, ratio: float, ranks: np.ndarray, **extra) -> None:
@@ -128,7 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         for du in [int(x) for x in a.user_dims.split(",") if x]:
             run = f"sweep-{stamp}-ckv-m{m}-u{du}"
             s = fitted(run, ckv=CollectiveKVConfig(pool_size=m, user_dim=du))
-            built = build_user_states.build(dataset_uri, s["checkpoint"], a.out, run=run)
+            built = build_user_states.build(
+                dataset_uri,
+                s["checkpoint"],
+                a.out,
+                run=run,
+                user_ids=users["user_id"].to_list() if a.sample_states else None,
+            )
             manifest, table = build_user_states.read_states(built["user_states"])
             model, _, _ = load_ranker(s["checkpoint"])
             ckv = model.cfg.collective_kv
@@ -166,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint": checkpoint,
         "test_users": users.height,
         "fine_tune_epochs": a.epochs,
+        "fine_tune_max_steps": a.max_steps or None,
+        "states_of": "sampled test users" if a.sample_states else "all users",
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),
         "machine": machine(),

@@ -107,7 +107,10 @@ def build(
     include_test: bool = False,
     actors: int = 2,
     batch_size: int = 32,
+    user_ids: list[int] | None = None,
 ) -> dict:
+    """Build and publish the states; ``user_ids`` limits the build to those users (the sweep's
+    sample), otherwise every user of the dataset gets one."""
     import ray
 
     from models.collective_kv import full_kv_bytes, state_bytes_per_token
@@ -132,6 +135,8 @@ def build(
         )
     ckv = rc.collective_kv
     users = state_inputs(dataset_uri, include_test)
+    if user_ids is not None:
+        users = users.filter(pl.col("user_id").is_in(list(user_ids)))
     run = run or checkpoint.rstrip("/").rsplit("/", 1)[-1]
     target = storage.join(out, "user_states", run)
     storage.check_writable(target)
@@ -173,6 +178,7 @@ def build(
                 "vectors_uri": vectors_uri or ckpt.get("vectors_uri"),
                 "checkpoint": checkpoint,
                 "includes_test": include_test,
+                "all_users": user_ids is None,
                 "state_files": files,
                 "users": table.num_rows,
                 "tokens": tokens,

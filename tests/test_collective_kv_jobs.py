@@ -114,9 +114,12 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         train_kv_pool.main,
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
         + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2", "--init-users", "40"]
-        + ["--init-tokens", "100", "--epochs", "1", *TINY_TRAIN],
+        + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN],
     )
     assert fit["init_tokens"] == 100 and fit["pool_size"] == 16
+    # 40 users in batches of 8 are 5 steps an epoch; --max-steps cut the fine-tune at 2
+    history = storage.read_json(storage.join(fit["checkpoint"], "metrics.json"))
+    assert [m["steps"] for m in history] == [2]
     # k-means over the sampled keys fits them better than the bias-free router's choice
     assert 0 <= fit["layer0_k_kmeans_rel_error"] <= fit["layer0_k_router_rel_error"]
     model, marker = train_ranker.load_checkpoint(fit["checkpoint"])
