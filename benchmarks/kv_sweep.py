@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--pool-sizes", default="256,1024,4096")
     p.add_argument("--user-dims", default="1,2,4,8")
+    p.add_argument(
+        "--shares",
+        default="kv",
+        help="comma list of what the pools carry: kv (both, the method), k or v (an ablation)",
+    )
     p.add_argument("--low-ranks", default="4", help="R of the low-rank baselines (2 + 2 d_u)")
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
     p.add_argument("--max-users", type=int, default=200, help="seeded sample of test users")
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         "--json", default=None, help="default: benchmarks/results/kv_sweep_<dataset>.json"
     )
     a = p.parse_args(argv)
+    bad = set(a.shares.split(",")) - {"kv", "k", "v"}
+    if bad:
+        p.error(f"--shares takes kv, k and v, not {sorted(bad)}")
     torch.set_num_threads(2)
     dataset_uri = storage.absolute(a.dataset_uri)
     checkpoint = storage.absolute(a.checkpoint)
@@ -142,46 +150,48 @@ def main(argv: list[str] | None = None) -> None:
         )
     from models.config import CollectiveKVConfig
 
-    for m in [int(x) for x in a.pool_sizes.split(",") if x]:
-        for du in [int(x) for x in a.user_dims.split(",") if x]:
-            run = f"sweep-{stamp}-ckv-m{m}-u{du}"
-            s = fitted(run, ckv=CollectiveKVConfig(pool_size=m, user_dim=du))
-            built = build_user_states.build(
-                dataset_uri,
-                s["checkpoint"],
-                a.out,
-                run=run,
-                user_ids=users["user_id"].to_list() if a.sample_states else None,
-            )
-            manifest, table = build_user_states.read_states(built["user_states"])
-            model, _, _ = load_ranker(s["checkpoint"])
-            ckv = model.cfg.collective_kv
-            stored = pl.from_arrow(table)
-            order = users.join(stored, on="user_id", how="left")
+    grid = [
+        (m, du, share)
+        for share in a.shares.split(",")
+        for m in [int(x) for x in a.pool_sizes.split(",") if x]
+        for du in [int(x) for x in a.user_dims.split(",") if x]
+    ]
+    for m, du, share in grid:
+        run = f"sweep-{stamp}-ckv-m{m}-u{du}" + ("" if share == "kv" else f"-share-{share}")
+        ckv = CollectiveKVConfig(
+            pool_size=m, user_dim=du, share_k="k" in share, share_v="v" in share
+        )
+        s = fitted(run, ckv=ckv)
+        built = build_user_states.build(
+            dataset_uri,
+            s["checkpoint"],
+            a.out,
+            run=run,
+            user_ids=users["user_id"].to_list() if a.sample_states else None,
+        )
+        manifest, table = build_user_states.read_states(built["user_states"])
+        model, _, _ = load_ranker(s["checkpoint"])
+        order = users.join(pl.from_arrow(table), on="user_id", how="left")
+        layout = states.Layout.of(model.cfg)
 
-            def from_states(h, sl, order=order, model=model, ckv=ckv):
-                part = order[sl].to_arrow()
-                return states.from_table(
-                    part,
-                    model.cfg.n_layers,
-                    ckv.user_dim,
-                    model.layers[0].self_attn.ckv.index_dtype,
-                )
+        def from_states(h, sl, order=order, layout=layout):
+            return states.from_table(order[sl].to_arrow(), layout)
 
-            use = manifest["router_use"]
-            add(
-                f"CollectiveKV M={m} d_u={du}",
-                manifest["ratio"],
-                ranks_for(model, users, max_len, n_items, from_states),
-                pool_size=m,
-                user_dim=du,
-                router_use=round(float(np.mean([u[f"{kv}_use"] for u in use for kv in "kv"])), 4),
-                entropy_bits=round(
-                    float(np.mean([u[f"{kv}_entropy_bits"] for u in use for kv in "kv"])), 3
-                ),
-                collapsed=manifest["collapsed_routers"],
-                fit_seconds=s["seconds"],
-            )
+        use = [u[f"{kv}_use"] for u in manifest["router_use"] for kv in share]
+        bits = [u[f"{kv}_entropy_bits"] for u in manifest["router_use"] for kv in share]
+        shared = "" if share == "kv" else f", {share.upper()} shared only"
+        add(
+            f"CollectiveKV M={m} d_u={du}{shared}",
+            manifest["ratio"],
+            ranks_for(model, users, max_len, n_items, from_states),
+            pool_size=m,
+            user_dim=du,
+            share=share,
+            router_use=round(float(np.mean(use)), 4),
+            entropy_bits=round(float(np.mean(bits)), 3),
+            collapsed=manifest["collapsed_routers"],
+            fit_seconds=s["seconds"],
+        )
     base_ndcg = rows[0]["ndcg10"]
     for r in rows:
         r["ndcg_vs_uncompressed"] = round(r["ndcg10"] / base_ndcg, 4) if base_ndcg else None

@@ -16,8 +16,12 @@ stored state holds only the index, so serving could not reproduce that scale; we
 straight-through form - the forward value is exactly the pool entry (scale 1), the backward pass
 carries the gradient of the sigmoid gate to the router - so training computes exactly what
 serving will. The user part is likewise rounded to fp16 in the forward pass (straight-through),
-so ``expand(compress(x))`` equals the on-the-fly K and V bit for bit. Aux losses, as in the
+so expanding the stored state gives the on-the-fly K and V bit for bit. Aux losses, as in the
 paper: peak = -mean log softmax(logits)[top1], balance = KL(mean softmax || uniform).
+
+Sharing can be switched off for K or for V (``CollectiveKVConfig.share_k`` / ``share_v``, the
+ablation of which half the pools carry): that side is then the layer's plain projection, stored
+whole in fp16 (``idx_*`` None, ``u_*`` kv_width wide).
 
 This module knows nothing about attention or positions; ``models.ranker`` wires it in.
 """
@@ -38,24 +42,30 @@ STATE_DTYPE = torch.float16  # storage dtype of the user parts
 
 @dataclass
 class LayerState:
-    """One layer's compressed KV for a batch: idx_* (B, L) uint16/int32, u_* (B, L, d_u) fp16."""
+    """One layer's compressed KV for a batch: idx_* (B, L) uint16/int32, u_* (B, L, width) fp16.
 
-    idx_k: Tensor
-    idx_v: Tensor
+    ``idx_k`` is None when K is not shared (then ``u_k`` holds the whole key, kv_width wide);
+    the same for V."""
+
+    idx_k: Tensor | None
+    idx_v: Tensor | None
     u_k: Tensor
     u_v: Tensor
 
     def nbytes(self, lengths: Tensor) -> int:
         """Stored bytes for the valid tokens (``lengths`` (B,)), padding excluded."""
-        per_token = (
-            self.idx_k.element_size()
-            + self.idx_v.element_size()
-            + (self.u_k.shape[-1] + self.u_v.shape[-1]) * self.u_k.element_size()
+        per_token = sum(
+            t.element_size() * (t.shape[-1] if t.dim() == 3 else 1)
+            for t in (self.idx_k, self.idx_v, self.u_k, self.u_v)
+            if t is not None
         )
         return int(lengths.sum()) * per_token
 
     def map(self, fn) -> LayerState:
-        return LayerState(fn(self.idx_k), fn(self.idx_v), fn(self.u_k), fn(self.u_v))
+        return LayerState(*(None if t is None else fn(t) for t in self.parts()))
+
+    def parts(self) -> tuple[Tensor | None, ...]:
+        return self.idx_k, self.idx_v, self.u_k, self.u_v
 
 
 @dataclass
@@ -89,53 +99,80 @@ def round_to_state(u: Tensor) -> Tensor:
 
 
 class CollectiveKV(nn.Module):
-    """One layer's routers, pools and user projections for K and V."""
+    """One layer's routers, pools and user projections for K and V (those that are shared).
+
+    A side with sharing off has no parameters here (``router_k``, ``pool_k``, ``user_k`` are
+    None for K): its cached value is the layer's own projection (``k_proj``, passed to
+    ``forward``), stored whole in fp16."""
 
     def __init__(self, d_model: int, kv_width: int, cfg: CollectiveKVConfig) -> None:
         super().__init__()
         self.cfg = cfg
         shared = kv_width - cfg.user_dim
-        self.router_k = nn.Linear(d_model, cfg.pool_size, bias=False)
-        self.router_v = nn.Linear(d_model, cfg.pool_size, bias=False)
-        self.pool_k = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02)
-        self.pool_v = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02)
-        self.user_k = nn.Linear(d_model, cfg.user_dim, bias=False)
-        self.user_v = nn.Linear(d_model, cfg.user_dim, bias=False)
+        for side, on in (("k", cfg.share_k), ("v", cfg.share_v)):
+            router = nn.Linear(d_model, cfg.pool_size, bias=False) if on else None
+            pool = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02) if on else None
+            user = nn.Linear(d_model, cfg.user_dim, bias=False) if on else None
+            setattr(self, f"router_{side}", router)
+            setattr(self, f"pool_{side}", pool)
+            setattr(self, f"user_{side}", user)
         self.index_dtype = torch.uint16 if cfg.pool_size <= 65536 else torch.int32
 
-    def forward(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Routing]:
+    def side(self, kv: str) -> tuple[nn.Linear, nn.Parameter, nn.Linear] | None:
+        """(router, pool, user projection) of K (``kv`` 'k') or V, None when it is not shared."""
+        router = getattr(self, f"router_{kv}")
+        return (
+            None
+            if router is None
+            else (router, getattr(self, f"pool_{kv}"), getattr(self, f"user_{kv}"))
+        )
+
+    def forward(
+        self, x: Tensor, valid: Tensor, k_proj: nn.Module, v_proj: nn.Module
+    ) -> tuple[Tensor, Tensor, Routing]:
         """K and V for cached tokens, computed on the fly, plus their compressed state.
 
         x (B, L, d_model), valid (B, L) bool -> k, v (B, L, kv_width) without rotary, Routing.
+        ``k_proj`` / ``v_proj`` give the side whose sharing is off.
         """
-        logits_k, logits_v = self.router_k(x), self.router_v(x)
-        idx_k, idx_v = logits_k.argmax(-1), logits_v.argmax(-1)
-        u_k = round_to_state(F.silu(self.user_k(x)))
-        u_v = round_to_state(F.silu(self.user_v(x)))
-        k = torch.cat([self.pool_k[idx_k] * _st_gate(logits_k, idx_k), u_k], dim=-1)
-        v = torch.cat([self.pool_v[idx_v] * _st_gate(logits_v, idx_v), u_v], dim=-1)
         vf = valid.to(x.dtype)
-        peak = peak_loss(logits_k, vf) + peak_loss(logits_v, vf)
-        bal = balance_loss(logits_k, vf) + balance_loss(logits_v, vf)
+        peak = bal = x.new_zeros(())
+        out = []
+        for kv, proj in (("k", k_proj), ("v", v_proj)):
+            side = self.side(kv)
+            if side is None:  # sharing off: the plain projection, stored as it is
+                u = round_to_state(proj(x))
+                out.append((u, None, u))
+                continue
+            router, pool, user = side
+            logits = router(x)
+            idx = logits.argmax(-1)
+            u = round_to_state(F.silu(user(x)))
+            out.append((torch.cat([pool[idx] * _st_gate(logits, idx), u], dim=-1), idx, u))
+            peak = peak + peak_loss(logits, vf)
+            bal = bal + balance_loss(logits, vf)
+        (k, idx_k, u_k), (v, idx_v, u_v) = out
         aux = self.cfg.peak_weight * peak + self.cfg.balance_weight * bal
         state = LayerState(
-            idx_k.to(self.index_dtype),
-            idx_v.to(self.index_dtype),
+            None if idx_k is None else idx_k.to(self.index_dtype),
+            None if idx_v is None else idx_v.to(self.index_dtype),
             u_k.detach().to(STATE_DTYPE),
             u_v.detach().to(STATE_DTYPE),
         )
         return k, v, Routing(state, aux, peak.detach(), bal.detach())
 
-    @torch.no_grad()
-    def compress(self, x: Tensor) -> LayerState:
-        """x (B, L, d_model) -> the stored state of those tokens."""
-        return self.forward(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))[2].state
-
     def expand(self, state: LayerState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """state -> k, v (B, L, kv_width) in ``dtype``, without rotary: a gather and a concat."""
-        k = torch.cat([self.pool_k[state.idx_k.long()].to(dtype), state.u_k.to(dtype)], dim=-1)
-        v = torch.cat([self.pool_v[state.idx_v.long()].to(dtype), state.u_v.to(dtype)], dim=-1)
-        return k, v
+        return (
+            _expand(self.pool_k, state.idx_k, state.u_k, dtype),
+            _expand(self.pool_v, state.idx_v, state.u_v, dtype),
+        )
+
+
+def _expand(pool: Tensor | None, idx: Tensor | None, u: Tensor, dtype: torch.dtype) -> Tensor:
+    if pool is None:  # not shared: the state holds the whole vector
+        return u.to(dtype)
+    return torch.cat([pool[idx.long()].to(dtype), u.to(dtype)], dim=-1)
 
 
 def _st_gate(logits: Tensor, idx: Tensor) -> Tensor:
@@ -149,14 +186,17 @@ def full_kv_bytes(tokens: int, n_layers: int, kv_width: int) -> int:
     return tokens * n_layers * 2 * kv_width * 2
 
 
-def state_bytes_per_token(cfg: CollectiveKVConfig, n_layers: int) -> int:
-    """Closed form of the stored bytes per cached token: two indices and 2*d_u fp16 per layer."""
-    return n_layers * (2 * cfg.index_bytes + 2 * cfg.user_dim * 2)
+def state_bytes_per_token(cfg: CollectiveKVConfig, n_layers: int, kv_width: int) -> int:
+    """Closed form of the stored bytes per cached token: per layer and shared side one index
+    and d_u fp16 numbers; an unshared side kv_width fp16 numbers."""
+    shared = cfg.index_bytes + cfg.user_dim * 2
+    return n_layers * sum(shared if on else kv_width * 2 for on in (cfg.share_k, cfg.share_v))
 
 
 def compression_ratio(cfg: CollectiveKVConfig, n_layers: int, kv_width: int) -> float:
-    """stored state bytes / full fp16 KV bytes; (4 + 4 d_u) / (4 kv_width) with uint16 indices."""
-    return state_bytes_per_token(cfg, n_layers) / full_kv_bytes(1, n_layers, kv_width)
+    """stored state bytes / full fp16 KV bytes; (4 + 4 d_u) / (4 kv_width) with uint16 indices
+    and both K and V shared."""
+    return state_bytes_per_token(cfg, n_layers, kv_width) / full_kv_bytes(1, n_layers, kv_width)
 
 
 # ----------------------------------------------------------------------------- fitting the pools
@@ -216,13 +256,13 @@ def init_from_projections(
     argmax 2 c_j.W x - ||c_j||^2; being bias-free it keeps 2 W^T c_j and drops ||c_j||^2, which
     fine-tuning makes up for. The user projection starts as the last d_u rows of the trained
     projection. The same for V. Returns the relative squared error of the shared part under the
-    k-means assignment and under the router's, for K and V."""
-    shared = ckv.pool_k.shape[1]
+    k-means assignment and under the router's, for K and V (the sides that are shared)."""
     stats = {}
-    for name, proj, pool, router, user in (
-        ("k", k_proj, ckv.pool_k, ckv.router_k, ckv.user_k),
-        ("v", v_proj, ckv.pool_v, ckv.router_v, ckv.user_v),
-    ):
+    for name, proj in (("k", k_proj), ("v", v_proj)):
+        if ckv.side(name) is None:
+            continue
+        router, pool, user = ckv.side(name)
+        shared = pool.shape[1]
         kv = proj(x.to(proj.weight.dtype))[:, :shared].float()
         c, assign = kmeans(kv, pool.shape[0], iters, seed)
         w = proj.weight[:shared].float()

@@ -80,6 +80,10 @@ class CollectiveKVConfig(_JsonConfig):
     user_dim: int = 1  # d_u: user-specific width of each cached token's K and V (1..8)
     peak_weight: float = 0.01  # weight of the peak loss (-mean log p[top1])
     balance_weight: float = 0.01  # weight of the balance loss KL(mean p || uniform)
+    # sharing on or off for K and for V: an unshared side is the layer's plain projection,
+    # stored in full (kv_width fp16 per token), with no router or pool
+    share_k: bool = True
+    share_v: bool = True
 
     def __post_init__(self) -> None:
         _check(
@@ -97,6 +101,16 @@ class CollectiveKVConfig(_JsonConfig):
             "CollectiveKVConfig",
             "loss weights must be >= 0",
         )
+        _check(
+            self.share_k or self.share_v,
+            "CollectiveKVConfig",
+            "share K, V or both (with neither shared it is the plain KV cache: no pools needed)",
+        )
+
+    @property
+    def share(self) -> str:
+        """'kv', 'k' or 'v': which of K and V come from the pools."""
+        return "k" * self.share_k + "v" * self.share_v
 
     @property
     def index_bytes(self) -> int:

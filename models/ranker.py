@@ -182,7 +182,7 @@ class Attention(nn.Module):
         q = apply_rope(split_heads(self.q_proj(hn), cfg.n_heads), cos, sin)
         routing = None
         if pool_valid is not None and self.ckv is not None:
-            k, v, routing = self.ckv(hn, pool_valid)
+            k, v, routing = self.ckv(hn, pool_valid, self.k_proj, self.v_proj)
         elif pool_valid is not None and cfg.kv_rank:
             latent = round_to_state(self.kv_down(hn))  # what a cache would store, fp16
             k, v = self.k_up(latent), self.v_up(latent)
@@ -353,7 +353,7 @@ class Ranker(nn.Module):
         if isinstance(cache, KVCache):
             return cache
         cfg = self.cfg
-        b, length = cache.layers[0].idx_k.shape
+        b, length = cache.layers[0].u_k.shape[:2]
         cos, sin = self._rope(torch.arange(length, device=cache.lengths.device).expand(b, -1))
         ks, vs = [], []
         for layer, state in zip(self.layers, cache.layers, strict=True):
@@ -469,7 +469,7 @@ class Ranker(nn.Module):
             q = apply_rope(split_heads(att.q_proj(hn), cfg.n_heads), cos, sin)
             k, v = att.k_proj(hn), att.v_proj(hn)
             if att.ckv is not None:
-                kh, vh, _ = att.ckv(hn[:, :length], hist_valid)
+                kh, vh, _ = att.ckv(hn[:, :length], hist_valid, att.k_proj, att.v_proj)
             elif cfg.kv_rank:
                 latent = round_to_state(att.kv_down(hn[:, :length]))
                 kh, vh = att.k_up(latent), att.v_up(latent)
@@ -516,12 +516,8 @@ class Ranker(nn.Module):
             layers = [
                 LayerState(
                     *(
-                        put(old, nw, 1)
-                        for old, nw in zip(
-                            (s.idx_k, s.idx_v, s.u_k, s.u_v),
-                            (n.idx_k, n.idx_v, n.u_k, n.u_v),
-                            strict=True,
-                        )
+                        None if old is None else put(old, nw, 1)
+                        for old, nw in zip(s.parts(), n.parts(), strict=True)
                     )
                 )
                 for s, n in zip(cache.layers, new, strict=True)

@@ -52,16 +52,19 @@ class BuildStates(RankerActor):
         hist = [np.asarray(h, dtype=np.int64)[-self.max_len :] for h in batch["input"]]
         fb = [np.asarray(f, dtype=np.int64)[-self.max_len :] for f in batch["input_fb"]]
         cache = self.model.prefill(history_batch(hist, fb, self.max_len))
-        return states.to_table(cache, list(batch["user_id"]), hist, fb)
+        layout = states.Layout.of(self.model.cfg)
+        return states.to_table(cache, list(batch["user_id"]), hist, fb, layout)
 
 
-def router_use(table: pa.Table, n_layers: int, pool_size: int, index_dtype) -> list[dict]:
-    """Per layer and K/V: distinct pool entries used / M, and the entropy (bits) of their use."""
-    np_dtype = np.dtype("<u2") if str(index_dtype) == "torch.uint16" else np.dtype("<i4")
+def router_use(table: pa.Table, layout: states.Layout) -> list[dict]:
+    """Per layer and shared side (K, V): distinct pool entries used / M, and the entropy (bits)
+    of their use."""
+    np_dtype = np.dtype("<u2") if layout.ckv.index_bytes == 2 else np.dtype("<i4")
+    pool_size = layout.ckv.pool_size
     out = []
-    for i in range(n_layers):
+    for i in range(layout.n_layers):
         row = {"layer": i}
-        for kv in ("k", "v"):
+        for kv in layout.ckv.share:
             col = table.column(states.column(i, f"idx_{kv}")).combine_chunks()
             _, offsets_buf, data = col.buffers()
             offsets = np.frombuffer(offsets_buf, dtype=np.int32)[col.offset :][: len(col) + 1]
@@ -81,7 +84,7 @@ def router_use(table: pa.Table, n_layers: int, pool_size: int, index_dtype) -> l
 
 def collapsed(use: list[dict]) -> list[str]:
     """Routers that send every cached token to a single pool entry."""
-    return [f"layer {u['layer']} {kv}" for u in use for kv in ("k", "v") if u[f"{kv}_used"] <= 1]
+    return [f"layer {u['layer']} {kv}" for u in use for kv in "kv" if u.get(f"{kv}_used", 2) <= 1]
 
 
 def state_inputs(dataset_uri: str, include_test: bool) -> pl.DataFrame:
@@ -152,12 +155,13 @@ def build(
     table = pa.concat_tables(ray.get(res.to_arrow_refs())).sort_by("user_id")
     tokens = int(pc.sum(table.column("length")).as_py() or 0)
     stored = states.state_nbytes(table)
-    expected = tokens * state_bytes_per_token(ckv, rc.n_layers)
+    expected = tokens * state_bytes_per_token(ckv, rc.n_layers, rc.kv_width)
     if stored != expected:  # the format and the closed form must agree; a mismatch is a bug
         raise RuntimeError(f"state bytes {stored} differ from the closed form {expected}")
     full = full_kv_bytes(tokens, rc.n_layers, rc.kv_width)
-    index_dtype = "torch.uint16" if ckv.index_bytes == 2 else "torch.int32"
-    use = router_use(table, rc.n_layers, ckv.pool_size, index_dtype)
+    layout = states.Layout.of(rc)
+    index_dtype = str(layout.index_dtype)
+    use = router_use(table, layout)
     bad = collapsed(use)
     if bad:
         log.warning("collapsed router(s), one pool entry for every token: %s", ", ".join(bad))
@@ -189,6 +193,7 @@ def build(
                 "kv_width": rc.kv_width,
                 "pool_size": ckv.pool_size,
                 "user_dim": ckv.user_dim,
+                "share": ckv.share,
                 "index_dtype": index_dtype,
                 "router_use": use,
                 "collapsed_routers": bad,
@@ -207,7 +212,7 @@ def build(
         "ratio": round(stored / max(1, full), 5),
         "bytes_per_user": round(stored / max(1, table.num_rows), 1),
         "mean_router_use": round(
-            float(np.mean([u[f"{kv}_use"] for u in use for kv in ("k", "v")])), 4
+            float(np.mean([u[f"{kv}_use"] for u in use for kv in ckv.share])), 4
         ),
         "collapsed_routers": bad,
         "user_states": target,

@@ -87,13 +87,7 @@ class ScoreUsers(RankerActor):
                     f"user {uid}: the stored state's history is not this user's test input "
                     "(history + validation item); were the states built from another dataset?"
                 )
-        ckv = self.model.cfg.collective_kv
-        return states.from_table(
-            batch,
-            self.model.cfg.n_layers,
-            ckv.user_dim,
-            self.model.layers[0].self_attn.ckv.index_dtype,
-        )
+        return states.from_table(batch, states.Layout.of(self.model.cfg))
 
 
 def eval_users(dataset_uri: str, max_users: int | None, seed: int) -> pl.DataFrame:

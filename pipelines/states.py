@@ -12,6 +12,8 @@ One row per user:
     l<i>_u_k   binary        layer i: user part of K, float16 [length, d_u]
     l<i>_u_v   binary        layer i: user part of V, float16 [length, d_u]
 
+With sharing off for K (or V) the ``idx_k`` column is absent and ``u_k`` holds the whole key,
+float16 [length, kv_width]; ``Layout`` says which columns a model's states have.
 The state bytes are exactly the binary columns, so a folder's size in state is the closed form
 ``tokens * state_bytes_per_token``. Raw little-endian buffers keep the round trip exact (the
 fp16 user parts are stored bit for bit) and decode with one ``np.frombuffer`` per field.
@@ -21,15 +23,65 @@ No Ray here: the jobs and the Serve deployments both use these functions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
 from models.collective_kv import STATE_DTYPE, LayerState
+from models.config import CollectiveKVConfig, RankerConfig
 from models.ranker import CompressedCache
 
 FIELDS = ("idx_k", "idx_v", "u_k", "u_v")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which per-layer columns a model's states have, and their dtype and values per token."""
+
+    n_layers: int
+    kv_width: int
+    ckv: CollectiveKVConfig
+
+    @classmethod
+    def of(cls, rc: RankerConfig) -> Layout:
+        if rc.collective_kv is None:
+            raise ValueError("a ranker without CollectiveKV pools has no compressed state")
+        return cls(rc.n_layers, rc.kv_width, rc.collective_kv)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> Layout:
+        """The layout a user_states manifest records (states built before the sharing option
+        have both K and V shared)."""
+        share = manifest.get("share", "kv")
+        ckv = CollectiveKVConfig(
+            pool_size=int(manifest["pool_size"]),
+            user_dim=int(manifest["user_dim"]),
+            share_k="k" in share,
+            share_v="v" in share,
+        )
+        return cls(int(manifest["n_layers"]), int(manifest["kv_width"]), ckv)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        shared = {"k": self.ckv.share_k, "v": self.ckv.share_v}
+        return tuple(f for f in FIELDS if not f.startswith("idx") or shared[f[-1]])
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return torch.uint16 if self.ckv.index_bytes == 2 else torch.int32
+
+    def per_token(self, field: str) -> int:
+        """Values per cached token in ``field``: 1 index, d_u user numbers, or the whole width."""
+        if field.startswith("idx"):
+            return 1
+        shared = self.ckv.share_k if field == "u_k" else self.ckv.share_v
+        return self.ckv.user_dim if shared else self.kv_width
+
+    def columns(self) -> list[str]:
+        return [column(i, f) for i in range(self.n_layers) for f in self.fields]
 
 
 def column(layer: int, field: str) -> str:
@@ -46,14 +98,14 @@ def row_nbytes(row: dict) -> int:
     return sum(len(v) for c, v in row.items() if is_state_column(c))
 
 
-def schema(n_layers: int) -> pa.Schema:
+def schema(layout: Layout) -> pa.Schema:
     cols = [
         pa.field("user_id", pa.int64()),
         pa.field("hist", pa.list_(pa.int32())),
         pa.field("hist_fb", pa.list_(pa.int8())),
         pa.field("length", pa.int32()),
     ]
-    cols += [pa.field(column(i, f), pa.binary()) for i in range(n_layers) for f in FIELDS]
+    cols += [pa.field(c, pa.binary()) for c in layout.columns()]
     return pa.schema(cols)
 
 
@@ -66,6 +118,7 @@ def to_table(
     user_ids: list[int],
     hist: list[np.ndarray],
     hist_fb: list[np.ndarray],
+    layout: Layout,
 ) -> pa.Table:
     """A batch's compressed cache (B users, right-padded) -> B rows; padding is not stored."""
     lengths = cache.lengths.cpu().numpy()
@@ -83,7 +136,7 @@ def to_table(
         "length": lengths.astype(np.int32),
     }
     for i, s in enumerate(cache.layers):
-        for f in FIELDS:
+        for f in layout.fields:
             t = getattr(s, f).cpu()
             a = (
                 t.view(torch.int16).numpy().view(_np_dtype(t.dtype))
@@ -91,38 +144,44 @@ def to_table(
                 else t.numpy()
             )
             data[column(i, f)] = [a[b, :n].tobytes() for b, n in enumerate(lengths)]
-    return pa.table(data, schema=schema(len(cache.layers)))
+    return pa.table(data, schema=schema(layout))
 
 
-def from_table(
-    table: pa.Table | dict, n_layers: int, user_dim: int, index_dtype: torch.dtype, device=None
-) -> CompressedCache:
+def from_table(table: pa.Table | dict, layout: Layout, device=None) -> CompressedCache:
     """Rows (a table, or a dict of columns as Ray Data batches come) -> one right-padded
     CompressedCache on ``device``; padded tokens hold index 0 and zeros (never attended)."""
     if isinstance(table, pa.Table):
         table = {c: table.column(c).to_pylist() for c in table.column_names}
     lengths = np.asarray(table["length"], dtype=np.int64)
     b, width = len(lengths), int(lengths.max()) if len(lengths) else 0
+    index_dtype = layout.index_dtype
     idx_np = _np_dtype(index_dtype)
     layers = []
-    for i in range(n_layers):
-        parts = {}
-        for f in FIELDS:
+    for i in range(layout.n_layers):
+        parts = dict.fromkeys(FIELDS)
+        for f in layout.fields:
             is_idx = f.startswith("idx")
-            dtype, per_token = (idx_np, 1) if is_idx else (np.dtype("<f2"), user_dim)
+            per_token = layout.per_token(f)
+            dtype = idx_np if is_idx else np.dtype("<f2")
+            if column(i, f) not in table:
+                raise ValueError(
+                    f"the states have no column {column(i, f)}: they were built by a model "
+                    f"with other CollectiveKV settings (this one shares {layout.ckv.share!r})"
+                )
             out = np.zeros((b, width * per_token), dtype=dtype)
             for r, (buf, n) in enumerate(zip(table[column(i, f)], lengths, strict=True)):
                 v = np.frombuffer(buf, dtype=dtype)
                 if v.size != n * per_token:
                     raise ValueError(
                         f"{column(i, f)} of user row {r} holds {v.size} values, expected "
-                        f"{n * per_token}: the state does not match the model (d_u, layers)"
+                        f"{n * per_token}: the state does not match the model "
+                        "(d_u, layers, sharing)"
                     )
                 out[r, : v.size] = v
             if is_idx:
                 t = _as_uint16(out) if index_dtype == torch.uint16 else torch.from_numpy(out)
             else:
-                t = torch.from_numpy(out).view(b, width, user_dim).to(STATE_DTYPE)
+                t = torch.from_numpy(out).view(b, width, per_token).to(STATE_DTYPE)
             parts[f] = t.to(device)
         layers.append(LayerState(**parts))
     return CompressedCache(layers, torch.from_numpy(lengths).to(device))

@@ -2,7 +2,8 @@
 
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
-        [--pool-size 1024] [--user-dim 1] [--init fit|random] [--kv-rank R] [--run NAME] [--resume]
+        [--pool-size 1024] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
+        [--run NAME] [--resume]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
 
 1. **Collect** (Ray Data): an actor pool runs the trained ranker over a seeded sample of users'
@@ -21,6 +22,9 @@
    the compressed cache, best epoch published to ``<out>/checkpoints/<run>/``.
 
 The published checkpoint is what ``build_user_states`` turns into stored user states.
+
+``--share k`` (or ``v``) switches sharing off for the other half: its cached value is the
+layer's plain projection, stored whole in fp16 - the ablation of what the pools carry.
 
 ``--kv-rank R`` fits the comparison instead: a low-rank (MLA-style) KV where each cached token
 keeps an R-number fp16 latent per layer (initialised by PCA of the trained joint K/V), at the
@@ -136,7 +140,9 @@ def fit(
         name = run or f"{dmarker['name']}-lowrank-r{kv_rank}"
     else:
         rc = dataclasses.replace(base.cfg, collective_kv=ckv)
-        name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}"
+        name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}" + (
+            "" if ckv.share == "kv" else f"-share-{ckv.share}"
+        )
     model = Ranker(rc, n_items=int(marker["n_items"]))
     model.load_state_dict(base.state_dict(), strict=False)  # everything but the new modules
     init_stats: dict = {"init": init}
@@ -188,7 +194,7 @@ def fit(
         "job": "train_kv_pool",
         "base_checkpoint": checkpoint,
         **({"kv_rank": kv_rank} if kv_rank else {"pool_size": ckv.pool_size}),
-        **({} if kv_rank else {"user_dim": ckv.user_dim}),
+        **({} if kv_rank else {"user_dim": ckv.user_dim, "share": ckv.share}),
         "ratio": round(ratio, 5),
         **init_stats,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -209,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_argument_group("CollectiveKV")
     g.add_argument("--pool-size", type=int, default=1024, help="M, entries per pool")
     g.add_argument("--user-dim", type=int, default=1, help="d_u, user numbers per K and per V")
+    g.add_argument(
+        "--share",
+        choices=["kv", "k", "v"],
+        default="kv",
+        help="what the pools carry: kv (both, the method), k or v (the other stored in full)",
+    )
     g.add_argument("--peak-weight", type=float, default=0.01)
     g.add_argument("--balance-weight", type=float, default=0.01)
     g.add_argument(
@@ -240,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 user_dim=a.user_dim,
                 peak_weight=a.peak_weight,
                 balance_weight=a.balance_weight,
+                share_k="k" in a.share,
+                share_v="v" in a.share,
             )
         except ConfigError as e:
             raise InputError(str(e)) from e

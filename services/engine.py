@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from models.batches import history_batch
@@ -34,8 +33,7 @@ class RankEngine:
         )
         self.model.to(self.device).eval()
         cfg = self.model.cfg
-        self.n_layers, self.user_dim = cfg.n_layers, cfg.collective_kv.user_dim
-        self.index_dtype = self.model.layers[0].self_attn.ckv.index_dtype
+        self.layout = states.Layout.of(cfg)
         self.last_timings = {"expand_s": 0.0, "score_s": 0.0}
         self._empty = self._prefill_rows([-1], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)])[0]
 
@@ -45,13 +43,11 @@ class RankEngine:
         h = history_batch(hist, fb, self.max_len)
         h = History(h.vids.to(self.device), h.feedback.to(self.device), h.lengths.to(self.device))
         cache = self.model.prefill(h)
-        return states.to_table(_cpu(cache), user_ids, hist, fb).to_pylist()
+        return states.to_table(_cpu(cache), user_ids, hist, fb, self.layout).to_pylist()
 
     def _cache(self, rows: list[Row]) -> CompressedCache:
         table = {k: [r[k] for r in rows] for k in rows[0]}
-        return states.from_table(
-            table, self.n_layers, self.user_dim, self.index_dtype, device=self.device
-        )
+        return states.from_table(table, self.layout, device=self.device)
 
     def empty_state(self, user_id: int) -> Row:
         """The state of a user with no history: BOS only."""
@@ -116,7 +112,8 @@ class RankEngine:
         )
         hist = np.append(np.asarray(row["hist"], dtype=np.int64), vid)
         fb = np.append(np.asarray(row["hist_fb"], dtype=np.int64), feedback)
-        return states.to_table(_cpu(cache), [row["user_id"]], [hist], [fb]).to_pylist()[0]
+        table = states.to_table(_cpu(cache), [row["user_id"]], [hist], [fb], self.layout)
+        return table.to_pylist()[0]
 
 
 def _cpu(cache: CompressedCache) -> CompressedCache:
@@ -137,7 +134,3 @@ def append_token(row: Row, token: dict[str, bytes], vid: int, feedback: int) -> 
 def token_of(before: Row, after: Row) -> dict[str, bytes]:
     """The buffers ``after`` adds to ``before`` (one cached token per layer)."""
     return {c: after[c][len(before[c]) :] for c in after if states.is_state_column(c)}
-
-
-def rows_table(rows: list[Row], n_layers: int) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=states.schema(n_layers))

@@ -65,7 +65,7 @@ class ShardStore:
         snapshot_every: int = 1000,
     ) -> None:
         self.manifest = storage.read_marker(manifest_uri)
-        self.n_layers = int(self.manifest["n_layers"])
+        self.layout = states.Layout.from_manifest(self.manifest)
         self.shard, self.shards, self.snapshot_every = shard, shards, snapshot_every
         self.root = storage.join(store_uri, f"shard-{shard}")
         self.rows: dict[int, Row] = {}
@@ -105,7 +105,7 @@ class ShardStore:
                 t = storage.read_parquet(storage.join(manifest_uri, f))
                 mine = pa.array(t.column("user_id").to_numpy() % self.shards == self.shard)
                 parts.append(t.filter(mine))
-            table = pa.concat_tables(parts) if parts else states.schema(self.n_layers).empty_table()
+            table = pa.concat_tables(parts) if parts else states.schema(self.layout).empty_table()
             seq = 0
         for row in table.to_pylist():
             self.rows[int(row["user_id"])] = row
@@ -170,7 +170,7 @@ class ShardStore:
 
     def snapshot(self) -> str:
         """All rows as of the current log position; then the log up to it is removed."""
-        table = pa.Table.from_pylist(list(self.rows.values()), schema=states.schema(self.n_layers))
+        table = pa.Table.from_pylist(list(self.rows.values()), schema=states.schema(self.layout))
         name = f"snapshot-{self.seq:012d}.parquet"
         durable_write(storage.join(self.root, name), storage.parquet_bytes(table))
         fs, _ = storage.filesystem(self.root)

@@ -4,6 +4,7 @@ and a collapsed router is reported."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -28,43 +29,57 @@ from tests.test_ranker import tiny_ranker
 from tests.tiny import N_USERS, TINY_SHAPE, TINY_TRAIN, run_json
 
 
-def tiny_ckv_ranker(user_dim: int = 2) -> Ranker:
-    return tiny_ranker(CollectiveKVConfig(pool_size=64, user_dim=user_dim), item_input="id")
+def tiny_ckv_ranker(user_dim: int = 2, share: str = "kv") -> Ranker:
+    ckv = CollectiveKVConfig(
+        pool_size=64, user_dim=user_dim, share_k="k" in share, share_v="v" in share
+    )
+    return tiny_ranker(ckv, item_input="id")
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_state_round_trip_through_parquet(where, tmp_path, request):
+@pytest.mark.parametrize(("where", "share"), [("local", "kv"), ("s3", "kv"), ("local", "k")])
+def test_state_round_trip_through_parquet(where, share, tmp_path, request):
     root = str(tmp_path) if where == "local" else request.getfixturevalue("s3_bucket")
-    model = tiny_ckv_ranker()
+    model = tiny_ckv_ranker(share=share)
+    layout = states.Layout.of(model.cfg)
     hist = [np.array([1, 2, 3]), np.array([4, 5, 6, 7, 8, 9, 10]), np.array([11])]
     fb = [np.array([0, 1, 2]), np.full(7, 3), np.array([-1])]
     history = History.from_lists([h.tolist() for h in hist], [f.tolist() for f in fb])
     cache = model.prefill(history)
     uri = storage.join(root, "states", "part.parquet")
-    storage.write_bytes(uri, storage.parquet_bytes(states.to_table(cache, [7, 8, 9], hist, fb)))
+    storage.write_bytes(
+        uri, storage.parquet_bytes(states.to_table(cache, [7, 8, 9], hist, fb, layout))
+    )
     table = storage.read_parquet(uri)
     assert table.column("user_id").to_pylist() == [7, 8, 9]
     assert table.column("hist").to_pylist()[1] == hist[1].tolist()
     assert (
         states.state_nbytes(table)
         == cache.nbytes()
-        == 14 * state_bytes_per_token(model.cfg.collective_kv, 2)
+        == 14 * state_bytes_per_token(model.cfg.collective_kv, 2, model.cfg.kv_width)
     )
-    back = states.from_table(table, 2, 2, torch.uint16)
+    assert [c for c in table.column_names if c.startswith("l0_")] == [
+        f"l0_{f}" for f in ("idx_k", "idx_v", "u_k", "u_v") if f[:3] != "idx" or f[-1] in share
+    ]
+    back = states.from_table(table, layout)
     assert torch.equal(back.lengths, cache.lengths)
 
     def bits(t: torch.Tensor) -> torch.Tensor:  # uint16 has no equality kernel on CPU
         return t.view(torch.int16) if t.dtype == torch.uint16 else t
 
     for a, b in zip(cache.layers, back.layers, strict=True):
-        for f in states.FIELDS:
+        for f in layout.fields:
             assert getattr(a, f).dtype == getattr(b, f).dtype
             for u, n in enumerate(cache.lengths.tolist()):  # padding is not stored
                 assert torch.equal(bits(getattr(a, f))[u, :n], bits(getattr(b, f))[u, :n])
     cands = torch.randint(0, 60, (3, 12))
     assert torch.equal(model.score(cache, cands), model.score(back, cands))
+    wider = dataclasses.replace(layout, ckv=dataclasses.replace(layout.ckv, user_dim=4))
     with pytest.raises(ValueError, match="does not match the model"):
-        states.from_table(table, 2, 4, torch.uint16)  # read with the wrong d_u
+        states.from_table(table, wider)  # read with the wrong d_u
+    if share != "kv":  # read as if both were shared: the missing index column is named
+        both = dataclasses.replace(layout, ckv=dataclasses.replace(layout.ckv, share_v=True))
+        with pytest.raises(ValueError, match="no column l0_idx_v"):
+            states.from_table(table, both)
 
 
 def test_router_use_and_collapse_detection():
@@ -74,8 +89,9 @@ def test_router_use_and_collapse_detection():
     hist = [np.arange(1, 30), np.arange(20, 45)]
     fb = [np.zeros(29, dtype=int), np.zeros(25, dtype=int)]
     cache = model.prefill(History.from_lists([h.tolist() for h in hist]))
-    table = states.to_table(cache, [1, 2], hist, fb)
-    use = build_user_states.router_use(table, 2, 64, "torch.uint16")
+    layout = states.Layout.of(model.cfg)
+    table = states.to_table(cache, [1, 2], hist, fb, layout)
+    use = build_user_states.router_use(table, layout)
     assert use[1]["v_used"] == 1 and use[1]["v_entropy_bits"] == 0.0
     assert use[0]["k_used"] > 1 and use[0]["k_entropy_bits"] > 0
     assert build_user_states.collapsed(use) == ["layer 1 v"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from models.collective_kv import compression_ratio, full_kv_bytes
+from models.collective_kv import compression_ratio, full_kv_bytes, state_bytes_per_token
 from models.config import CollectiveKVConfig, ConfigError, RankerConfig
 from models.hf_llama import export_llama, import_llama, llama_config
 from models.ranker import (
@@ -25,7 +25,11 @@ ATOL = 1e-5
 CKV_MODES = {
     "plain": None,
     "collective_kv": CollectiveKVConfig(pool_size=32, user_dim=2),
+    # the sharing ablation: the other half is the plain projection, stored whole
+    "k_shared_only": CollectiveKVConfig(pool_size=32, user_dim=2, share_v=False),
+    "v_shared_only": CollectiveKVConfig(pool_size=32, user_dim=2, share_k=False),
 }
+COMPRESSED = [m for m in CKV_MODES if m != "plain"]
 
 
 def tiny_config(ckv: CollectiveKVConfig | None = None, **kw) -> RankerConfig:
@@ -103,7 +107,7 @@ def test_prefill_prefix_then_extend_equals_full_prefill(mode, time_buckets):
     """
     model = tiny_ranker(CKV_MODES[mode], time_buckets=4 if time_buckets else 0)
     atol = ATOL
-    if mode == "collective_kv":
+    if mode != "plain":
         model = model.double()
         atol = 1e-9
     full = ragged_history(time_buckets)
@@ -130,8 +134,9 @@ def test_prefill_prefix_then_extend_equals_full_prefill(mode, time_buckets):
         assert_close(model.score(cache, c[b : b + 1]), want[b : b + 1], atol=atol, rtol=0)
 
 
-def test_extend_on_a_ragged_batch_matches_per_user_prefill():
-    model = tiny_ranker(CKV_MODES["collective_kv"])
+@pytest.mark.parametrize("mode", COMPRESSED)
+def test_extend_on_a_ragged_batch_matches_per_user_prefill(mode):
+    model = tiny_ranker(CKV_MODES[mode])
     h = ragged_history()
     cache = model.extend(
         model.prefill(h), Event(torch.tensor([40, 41, 42, 43]), torch.tensor([0, 1, -1, 4]))
@@ -155,8 +160,9 @@ def test_extend_on_a_ragged_batch_matches_per_user_prefill():
     )
 
 
-def test_expand_of_compressed_state_equals_kv_computed_on_the_fly():
-    model = tiny_ranker(CKV_MODES["collective_kv"])
+@pytest.mark.parametrize("mode", COMPRESSED)
+def test_expand_of_compressed_state_equals_kv_computed_on_the_fly(mode):
+    model = tiny_ranker(CKV_MODES[mode])
     h = ragged_history()
     with torch.no_grad():
         p = model._prefill(h)
@@ -194,6 +200,32 @@ def test_state_bytes_match_the_closed_form_ratio(user_dim):
     assert ratio == pytest.approx((4 + 4 * user_dim) / (4 * 256), abs=0)
     if user_dim == 1:
         assert ratio < 0.01  # 8 / 1024 = 0.78%
+
+
+@pytest.mark.parametrize("share", ["k", "v"])
+def test_sharing_off_stores_that_half_whole(share):
+    """With only K (or V) shared the other half is the plain projection, kv_width fp16 numbers
+    per token, with no index: the closed form and the stored bytes agree."""
+    ckv = CollectiveKVConfig(pool_size=1024, user_dim=1, share_k=share == "k", share_v=share == "v")
+    model = tiny_ranker(ckv, n_kv_heads=4, head_dim=64)
+    state = model.prefill(ragged_history())
+    layer = state.layers[0]
+    whole = "v" if share == "k" else "k"
+    assert getattr(layer, f"idx_{whole}") is None and getattr(layer, f"idx_{share}") is not None
+    assert getattr(layer, f"u_{whole}").shape[-1] == 256
+    assert getattr(layer, f"u_{share}").shape[-1] == 1
+    assert model.layers[0].self_attn.ckv.side(whole) is None
+    tokens = int(state.lengths.sum())
+    assert state.nbytes() == tokens * state_bytes_per_token(ckv, 2, 256)
+    assert compression_ratio(ckv, 2, 256) == pytest.approx((2 + 2 + 2 * 256) / (4 * 256), abs=0)
+    # the unshared half is the layer's own projection of the cached tokens, rounded to fp16
+    xs, valid = model.kv_inputs(ragged_history())
+    for i, x in enumerate(xs):
+        with torch.no_grad():
+            plain = getattr(model.layers[i].self_attn, f"{whole}_proj")(x).half()
+        assert torch.equal(getattr(state.layers[i], f"u_{whole}")[valid], plain[valid])
+    with pytest.raises(ConfigError, match="share K, V or both"):
+        CollectiveKVConfig(share_k=False, share_v=False)
 
 
 def test_large_pools_use_int32_indices():

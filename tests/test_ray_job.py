@@ -98,3 +98,91 @@ def test_encode_items_as_a_ray_job_uses_the_cluster(ray_head, tmp_path):
         [ln for ln in proc.stdout.splitlines() if ln.startswith('{"job": "encode_items"')][0]
     )
     assert (summary["encoded"], summary["errors"]) == (12, 0)
+
+
+def job_summary(proc: subprocess.CompletedProcess, job: str) -> dict:
+    """The job's one-line JSON summary, after checking it ran on the submitted-to cluster."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "joined the Ray cluster" in out, f"{job} started its own Ray"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f'{{"job": "{job}"')]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0])
+
+
+def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
+    """train_ranker -> train_kv_pool (K shared only, the sharing option) -> build_user_states
+    -> evaluate --user-states, each submitted with ``ray job submit`` to the head: Ray Train
+    and the Ray Data actor pools run on the cluster, and the stored states are what the
+    evaluation reads."""
+    from models.collective_kv import state_bytes_per_token
+    from models.config import CollectiveKVConfig
+    from pipelines import build_user_states, train_ranker
+    from tests.tiny import (
+        N_USERS,
+        TINY_SHAPE,
+        TINY_TRAIN,
+        base_texts,
+        prepare,
+        write_catalog,
+        write_sequences,
+    )
+
+    out = str(tmp_path / "out")
+    ds = prepare(tmp_path, out, write_catalog(tmp_path, base_texts()), write_sequences(tmp_path))
+    common = ["--dataset-uri", ds, "--out", out]
+    base = job_summary(
+        submit(
+            ray_head,
+            *common,
+            *["--run", "base", "--item-input", "id", "--epochs", "1", *TINY_SHAPE],
+            job="train_ranker",
+        ),
+        "train_ranker",
+    )
+    fit = job_summary(
+        submit(
+            ray_head,
+            *common,
+            *["--checkpoint", base["checkpoint"], "--run", "ckv", "--share", "k"],
+            *["--pool-size", "16", "--user-dim", "2", "--init-users", "40"],
+            *["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN],
+            job="train_kv_pool",
+        ),
+        "train_kv_pool",
+    )
+    assert fit["share"] == "k" and fit["checkpoint"] == f"{out}/checkpoints/ckv"
+    built = job_summary(
+        submit(
+            ray_head,
+            *common,
+            *["--checkpoint", fit["checkpoint"], "--actors", "1"],
+            job="build_user_states",
+        ),
+        "build_user_states",
+    )
+    model, _ = train_ranker.load_checkpoint(fit["checkpoint"])
+    ckv = model.cfg.collective_kv
+    assert ckv == CollectiveKVConfig(pool_size=16, user_dim=2, share_v=False)
+    per_token = state_bytes_per_token(ckv, 2, model.cfg.kv_width)
+    assert per_token == 2 * ((2 + 2 * 2) + 2 * model.cfg.kv_width)  # V stored whole
+    assert (built["users"], built["state_bytes"]) == (N_USERS, built["tokens"] * per_token)
+    manifest, _ = build_user_states.read_states(built["user_states"])
+    assert (
+        manifest["share"] == "k"
+        and [set(u) - {"layer"} for u in manifest["router_use"]]
+        == [{"k_used", "k_use", "k_entropy_bits"}] * 2
+    )
+    ev = job_summary(
+        submit(
+            ray_head,
+            *common,
+            *["--user-states", built["user_states"], "--actors", "1"],
+            job="evaluate",
+        ),
+        "evaluate",
+    )
+    assert ev["users"] == N_USERS
+    # scored from the stored states, next to the uncompressed ranker the pools were fitted to
+    for name in ("ranker", "uncompressed", "most_popular"):
+        assert 0 <= ev[f"{name}_full_ndcg10"] <= ev[f"{name}_full_hr10"] <= 1

@@ -74,7 +74,7 @@ def test_rank_matches_scoring_the_stored_state(served):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["known_user"] and body["history_length"] == len(row["hist"])
-    cache = states.from_table(table.slice(3, 1), 2, 1, torch.uint16)
+    cache = states.from_table(table.slice(3, 1), engine.layout)
     want = engine.model.score(cache, torch.tensor([[vid_of[i] for i in items]]))[0]
     order = torch.argsort(want, descending=True)[:4]
     assert [x["item_id"] for x in body["items"]] == [items[i] for i in order]
