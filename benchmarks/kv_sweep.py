@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
         default="kv",
         help="comma list of what the pools carry: kv (both, the method), k or v (an ablation)",
     )
+    p.add_argument(
+        "--configs",
+        default="",
+        help="explicit M:d_u[:share] list instead of the grid, e.g. 256:1,1024:1,1024:8",
+    )
     p.add_argument("--low-ranks", default="4", help="R of the low-rank baselines (2 + 2 d_u)")
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
     p.add_argument("--max-users", type=int, default=200, help="seeded sample of test users")
@@ -87,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         "--json", default=None, help="default: benchmarks/results/kv_sweep_<dataset>.json"
     )
     a = p.parse_args(argv)
-    bad = set(a.shares.split(",")) - {"kv", "k", "v"}
+    shares = a.shares.split(",") + [
+        c.split(":")[2] for c in a.configs.split(",") if c.count(":") == 2
+    ]
+    bad = set(shares) - {"kv", "k", "v"}
     if bad:
         p.error(f"--shares takes kv, k and v, not {sorted(bad)}")
     torch.set_num_threads(2)
@@ -156,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         for m in [int(x) for x in a.pool_sizes.split(",") if x]
         for du in [int(x) for x in a.user_dims.split(",") if x]
     ]
+    if a.configs:  # an explicit list instead of the grid
+        grid = [
+            (int(c.split(":")[0]), int(c.split(":")[1]), (c.split(":") + ["kv"])[2])
+            for c in a.configs.split(",")
+        ]
     for m, du, share in grid:
         run = f"sweep-{stamp}-ckv-m{m}-u{du}" + ("" if share == "kv" else f"-share-{share}")
         ckv = CollectiveKVConfig(

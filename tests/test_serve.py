@@ -158,33 +158,6 @@ def test_events_are_durable_across_a_killed_store_replica(served):
     assert stats["store"]["users"] >= 41
 
 
-def test_serve_config_is_valid_and_matches_the_typed_defaults():
-    import yaml
-    from ray.serve.schema import ServeDeploySchema
-
-    from services.settings import ServeSettings
-
-    with open("infra/serve_config.yaml") as f:
-        raw = yaml.safe_load(f)
-    config = ServeDeploySchema.model_validate(raw)
-    (app,) = config.applications
-    assert app.import_path == "services.app:build_app"
-    defaults = ServeSettings(manifest_uri="x")
-    settings = ServeSettings.from_args(app.args)
-    for name in app.args:
-        if name != "manifest_uri":
-            assert getattr(settings, name) == getattr(defaults, name), name
-    (ranker,) = [d for d in app.deployments if d.name == "Ranker"]
-    assert ranker.max_ongoing_requests == defaults.ranker_max_ongoing_requests
-    auto = ranker.autoscaling_config
-    assert (auto["min_replicas"], auto["max_replicas"]) == (
-        defaults.ranker_min_replicas,
-        defaults.ranker_max_replicas,
-    )
-    assert auto["target_ongoing_requests"] == defaults.ranker_target_ongoing_requests
-    assert ranker.ray_actor_options.num_cpus == defaults.ranker_num_cpus
-
-
 def test_settings_reject_unknown_and_bad_values():
     from services.settings import ServeSettings, SettingsError
 

@@ -1,0 +1,248 @@
+"""The deployment files are valid and agree with each other and with the code: the cluster
+launcher config (Ray's own validation), the Serve configs (ServeDeploySchema, and the copy in
+the RayService differs only where production must), the KubeRay manifests (the fields their
+CRDs require), the entrypoints they name, and the Dockerfile."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import re
+import shlex
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KUBERAY = os.path.join(REPO, "infra", "kuberay")
+
+
+def load(path: str) -> dict:
+    with open(os.path.join(REPO, path)) as f:
+        return yaml.safe_load(f)
+
+
+def manifests(kind: str) -> dict[str, dict]:
+    found = {}
+    for path in sorted(glob.glob(os.path.join(KUBERAY, "*.yaml"))):
+        doc = load(path)
+        if doc["kind"] == kind:
+            found[os.path.basename(path)] = doc
+    return found
+
+
+def images() -> set[str]:
+    """Every container image the deployment files name."""
+    out = {load("ray_cluster.yaml")["docker"]["image"]}
+    for path in glob.glob(os.path.join(KUBERAY, "*.yaml")):
+        with open(path) as f:
+            out |= set(re.findall(r"image: (\S+)", f.read()))
+    return out
+
+
+# ----------------------------------------------------------------------------- cluster launcher
+
+
+def launcher_check(config: dict) -> dict:
+    """What ``ray up`` does first: fill in the provider's defaults, then validate the schema."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    filled = prepare_config(copy.deepcopy(config))
+    validate_config(filled)
+    return filled
+
+
+def test_cluster_launcher_config_passes_rays_validation():
+    config = load("ray_cluster.yaml")
+    filled = launcher_check(config)
+    types = filled["available_node_types"]
+    head = types[filled["head_node_type"]]
+    assert "GPU" not in head["resources"]
+    (gpu,) = [t for name, t in types.items() if name != filled["head_node_type"]]
+    assert gpu["resources"]["GPU"] == 1
+    assert 0 <= gpu["min_workers"] <= gpu["max_workers"] <= filled["max_workers"]
+    assert filled["file_mounts"] == {"~/kvrank": "."}  # the project is shipped to every node
+    assert any("pip install" in c and "~/kvrank" in c for c in filled["setup_commands"])
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        lambda c: c["available_node_types"]["gpu_worker"].update(min_worker=1),  # a typo
+        lambda c: c.update(head_node_type="no_such_type"),
+        lambda c: c["available_node_types"]["gpu_worker"].update(min_workers=99),
+    ],
+)
+def test_cluster_launcher_validation_catches_a_broken_copy(breakage):
+    config = load("ray_cluster.yaml")
+    breakage(config)
+    with pytest.raises(Exception):  # noqa: B017 - jsonschema's or Ray's own error type
+        launcher_check(config)
+
+
+# ----------------------------------------------------------------------------- Serve configs
+
+
+def test_serve_config_is_valid_and_matches_the_typed_defaults():
+    from ray.serve.schema import ServeDeploySchema
+
+    from services.settings import ServeSettings
+
+    config = ServeDeploySchema.model_validate(load("infra/serve_config.yaml"))
+    (app,) = config.applications
+    assert app.import_path == "services.app:build_app"
+    defaults = ServeSettings(manifest_uri="x")
+    settings = ServeSettings.from_args(app.args)
+    for name in app.args:
+        if name != "manifest_uri":
+            assert getattr(settings, name) == getattr(defaults, name), name
+    (ranker,) = [d for d in app.deployments if d.name == "Ranker"]
+    assert ranker.max_ongoing_requests == defaults.ranker_max_ongoing_requests
+    auto = ranker.autoscaling_config
+    assert (auto["min_replicas"], auto["max_replicas"]) == (
+        defaults.ranker_min_replicas,
+        defaults.ranker_max_replicas,
+    )
+    assert auto["target_ongoing_requests"] == defaults.ranker_target_ongoing_requests
+    assert ranker.ray_actor_options.num_cpus == defaults.ranker_num_cpus
+
+
+def test_rayservice_serves_the_serve_config_with_only_the_production_changes():
+    from ray.serve.schema import ServeDeploySchema
+
+    (service,) = manifests("RayService").values()
+    theirs = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(theirs)
+    ours = load("infra/serve_config.yaml")
+    app = ours["applications"][0]
+    app["args"]["manifest_uri"] = theirs["applications"][0]["args"]["manifest_uri"]
+    assert app["args"]["manifest_uri"].startswith("s3://")
+    ours["http_options"]["host"] = "0.0.0.0"  # reachable from the Kubernetes service
+    ranker = app["deployments"][0]
+    ranker["ray_actor_options"]["num_gpus"] = 1.0  # a GPU per Ranker replica
+    ranker["autoscaling_config"]["max_replicas"] = 8  # as many as the gpu group has pods
+    assert theirs == ours
+    # and it runs on the same cluster shape the jobs use
+    (cluster,) = manifests("RayCluster").values()
+    assert service["spec"]["rayClusterConfig"] == cluster["spec"]
+
+
+# ----------------------------------------------------------------------------- KubeRay manifests
+
+# Required fields of ray.io/v1 (KubeRay's CRD types: fields without `omitempty`), plus what
+# Kubernetes needs of a pod template: containers with a name and an image.
+
+
+def require(doc: dict, path: str, where: str) -> object:
+    node: object = doc
+    for key in path.split("."):
+        assert isinstance(node, dict) and key in node, f"{where}: missing {path}"
+        node = node[key]
+    return node
+
+
+def check_pod_template(template: dict, where: str) -> None:
+    containers = require(template, "spec.containers", where)
+    assert containers, f"{where}: no containers"
+    for c in containers:
+        assert c.get("name") and c.get("image"), f"{where}: a container needs a name and an image"
+
+
+def check_cluster_spec(spec: dict, where: str) -> None:
+    require(spec, "headGroupSpec.rayStartParams", where)
+    check_pod_template(require(spec, "headGroupSpec.template", where), f"{where} head")
+    for group in spec.get("workerGroupSpecs", []):
+        w = f"{where} group {group.get('groupName')}"
+        for key in ("groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"):
+            require(group, key, w)
+        assert 0 <= group["minReplicas"] <= group.get("replicas", 0) <= group["maxReplicas"], w
+        check_pod_template(group["template"], w)
+
+
+def test_kuberay_manifests_have_the_fields_their_crds_require():
+    kinds = {}
+    for path in sorted(glob.glob(os.path.join(KUBERAY, "*.yaml"))):
+        doc, name = load(path), os.path.basename(path)
+        assert doc["apiVersion"] == "ray.io/v1", name
+        require(doc, "metadata.name", name)
+        kinds.setdefault(doc["kind"], []).append(name)
+        if doc["kind"] == "RayCluster":
+            check_cluster_spec(doc["spec"], name)
+            assert doc["spec"]["enableInTreeAutoscaling"] is True
+        elif doc["kind"] == "RayService":
+            assert isinstance(require(doc, "spec.serveConfigV2", name), str)
+            check_cluster_spec(require(doc, "spec.rayClusterConfig", name), name)
+        elif doc["kind"] == "RayJob":
+            assert isinstance(require(doc, "spec.entrypoint", name), str)
+            # submitted to the long-lived cluster, by its name
+            clusters = {c["metadata"]["name"] for c in manifests("RayCluster").values()}
+            assert require(doc, "spec.clusterSelector", name)["ray.io/cluster"] in clusters
+        else:
+            pytest.fail(f"{name}: unexpected kind {doc['kind']}")
+    assert sorted(kinds) == ["RayCluster", "RayJob", "RayService"]
+    assert len(images()) == 1, images()  # one image everywhere: infra/Dockerfile's
+
+
+def test_the_gpu_group_asks_kubernetes_for_a_gpu():
+    (cluster,) = manifests("RayCluster").values()
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert cluster["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+
+
+JOBS = [
+    "prepare_data",
+    "encode_items",
+    "train_ranker",
+    "evaluate",
+    "train_kv_pool",
+    "build_user_states",
+]
+
+
+def test_there_is_a_rayjob_per_pipeline_and_its_entrypoint_exists(capsys):
+    import importlib
+
+    entries = {}
+    for name, doc in manifests("RayJob").items():
+        argv = shlex.split(doc["spec"]["entrypoint"])
+        assert argv[:2] == ["python", "-m"] and argv[2].startswith("pipelines."), name
+        entries[argv[2].split(".", 1)[1]] = argv[3:]
+    assert sorted(entries) == sorted(JOBS)
+    for job, args in entries.items():
+        module = importlib.import_module(f"pipelines.{job}")
+        with pytest.raises(SystemExit) as done:
+            module.main(["--help"])
+        assert done.value.code == 0
+        usage = capsys.readouterr().out
+        for flag in (a for a in args if a.startswith("--")):
+            assert re.search(rf"{re.escape(flag)}\b", usage), f"{job} has no option {flag}"
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+
+
+def test_dockerfile_builds_on_the_ray_version_we_pin_and_copies_every_package():
+    import ray
+
+    with open(os.path.join(REPO, "infra", "Dockerfile")) as f:
+        text = f.read()
+    base = re.search(r"ARG RAY_IMAGE=rayproject/ray:(\S+)", text).group(1)
+    assert base.split("-")[0] == ray.__version__ and "gpu" in base
+    assert '".[gpu]"' in text  # the gpu extra (vLLM)
+    copied = set(re.findall(r"^COPY (?:--\S+ )*(\S+)", text, flags=re.M))
+    for src in copied:
+        assert os.path.exists(os.path.join(REPO, src)), src
+    packages = load_packages()
+    assert packages <= copied, packages - copied
+    assert "PYTHONPATH=/home/ray/kvrank" in text
+
+
+def load_packages() -> set[str]:
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {p.rstrip("*") for p in include}
