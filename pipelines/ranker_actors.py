@@ -31,19 +31,20 @@ def map_with_rankers(
     extra_args: tuple = (),
 ):
     """``table`` mapped in numpy batches by a pool of ``actors`` ``actor_cls`` actors sharing
-    the cluster's CPUs; the table is pre-cut into blocks (see ``data.blocks``)."""
+    the cluster's CPUs (``ray_runtime.cpus_per_actor``); the table is pre-cut into blocks (see
+    ``data.blocks``)."""
     import ray
 
-    from pipelines.ray_runtime import init_ray
+    from pipelines.ray_runtime import cpus_per_actor, init_ray
 
     init_ray()
-    cpus = ray.cluster_resources().get("CPU", 1)
+    cpus = cpus_per_actor(actors)
     ds = ray.data.from_arrow(blocks(table, actors * 4))
     return ds.map_batches(
         actor_cls,
-        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus // actors)), *extra_args),
+        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus)), *extra_args),
         compute=ray.data.ActorPoolStrategy(size=actors),
         batch_size=batch_size,
         batch_format="numpy",
-        num_cpus=cpus / actors,
+        num_cpus=cpus,
     )

@@ -37,3 +37,15 @@ def init_ray() -> None:
 
 def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
+
+
+def cpus_per_actor(actors: int) -> float:
+    """CPUs for each of ``actors`` actors sharing the cluster: an equal share of all CPUs, but
+    never more than the largest node has (an actor lives on one node; asking for more than any
+    node holds would leave it pending forever on a cluster of small nodes)."""
+    total = ray.cluster_resources().get("CPU", 1)
+    largest = max(
+        (n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]),
+        default=total,
+    )
+    return min(total / actors, largest) or 1
