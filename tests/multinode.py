@@ -5,8 +5,8 @@ meets the test session's local Ray; prints one JSON line of what ran where.
 
     python -m tests.multinode OUT_DIR
 
-Placement is forced by resources, not left to luck: 4 encoder actors of 0.5 CPU need two
-nodes' CPUs, and 2 Ranker replicas of 0.75 CPU cannot share a one-CPU node.
+Placement is forced by resources, not left to luck: 2 encoder actors and 2 Ranker replicas of
+0.75 CPU each cannot share a one-CPU node.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def main(out_dir: str) -> dict:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        # 60 items in batches of 8: 8 blocks for the 4 actors
-        argv = ["--dataset-uri", ds, "--out", out, "--actors", "4", "--batch-size", "8"]
+        # 60 items in batches of 8: 8 blocks for 2 actors that cannot share a 1-CPU node
+        argv = ["--dataset-uri", ds, "--out", out, "--actors", "2", "--batch-size", "8"]
+        argv += ["--cpus-per-actor", "0.75"]
         assert encode_items.main(argv) == 0
         encoder_nodes = nodes_of(f"http://127.0.0.1:{dash}", "EncoderActor")
 
