@@ -25,24 +25,12 @@ DEMO_DATA := $(OUT)/datasets/ml-latest-small
 DEMO_EPOCHS ?= 3
 DEMO_KV_EPOCHS ?= 1
 
-# prepare -> encode -> train -> evaluate -> analyse the KV -> fit the CollectiveKV pools ->
-# build user states -> evaluate from them, on ml-latest-small, on an embedded local Ray
+# the whole chain on ml-latest-small on an embedded local Ray: prepare -> encode -> train ->
+# evaluate -> analyse the KV -> fit the CollectiveKV pools -> build user states -> evaluate from
+# them -> serve them, rank one user's catalog, short load; tables and plots in out/reports/demo/
 demo: $(STAMP)
-	$(PY) -m pipelines.prepare_data --dataset ml-latest-small --out $(OUT)
-	$(PY) -m pipelines.encode_items --dataset-uri $(DEMO_DATA) --out $(OUT)
-	$(PY) -m pipelines.train_ranker --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--epochs $(DEMO_EPOCHS) --val-users 64 --negatives 63 --batch-size 32 --lr 2e-3
-	$(PY) -m pipelines.evaluate --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--checkpoint $(OUT)/checkpoints/ml-latest-small-text
-	$(PY) -m pipelines.analyze_kv --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--checkpoint $(OUT)/checkpoints/ml-latest-small-text --users 64
-	$(PY) -m pipelines.train_kv_pool --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--checkpoint $(OUT)/checkpoints/ml-latest-small-text --run ml-latest-small-ckv \
-		--epochs $(DEMO_KV_EPOCHS) --val-users 64 --negatives 63 --batch-size 32
-	$(PY) -m pipelines.build_user_states --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--checkpoint $(OUT)/checkpoints/ml-latest-small-ckv
-	$(PY) -m pipelines.evaluate --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--user-states $(OUT)/user_states/ml-latest-small-ckv
+	RAY_AUTH_MODE=disabled $(PY) -m services.demo --out $(OUT) \
+		--epochs $(DEMO_EPOCHS) --kv-epochs $(DEMO_KV_EPOCHS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,285 @@
+"""The whole chain in one command, on the embedded local Ray: ``make demo``.
+
+    python -m services.demo [--out out] [--dataset ml-latest-small] [--epochs 3]
+        [--kv-epochs 1] [--load-seconds 10] [--load-concurrency 8]
+
+Stages, each the same job an operator submits with ``ray job submit`` (its command line is
+printed before it runs): prepare -> encode -> train -> evaluate -> analyse the KV -> fit the
+CollectiveKV pools -> build user states -> evaluate from the states -> serve. The serve stage
+starts the Serve app over the states, ranks the whole catalog for one user over HTTP and prints
+their history and top 10 with titles, then runs a short closed-loop load. The jobs share one
+Ray, started once.
+
+Writes ``<out>/reports/demo/``: summary.json (every stage's JSON summary and wall time),
+summary.md (the tables printed at the end) and stage_seconds.png; the jobs' own reports (metrics
+and plots) sit beside it under ``<out>/reports/``. Ends with a one-line JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("kvrank.demo")
+
+
+class _Tee(io.TextIOBase):
+    """stdout that is also kept, so a job's JSON summary line can be read back."""
+
+    def __init__(self, real) -> None:
+        self.real, self.kept = real, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.real.write(s)
+        return self.kept.write(s)
+
+    def flush(self) -> None:
+        self.real.flush()
+
+
+def run_stage(name: str, main: Callable[[list[str]], int], module: str, argv: list[str]) -> dict:
+    """Run one job's ``main(argv)`` in this process; its summary and wall time, or exit."""
+    print(f"\n== {name}: python -m {module} {' '.join(argv)}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        rc = main(argv)
+    if rc != 0:
+        raise SystemExit(f"demo stopped: stage {name!r} failed (exit {rc}); see its error above")
+    lines = [ln for ln in tee.kept.getvalue().splitlines() if ln.startswith("{")]
+    return {"stage": name, "seconds": round(time.perf_counter() - t0, 1)} | json.loads(lines[-1])
+
+
+def titles_of(dataset_uri: str) -> dict[int, str]:
+    from pipelines import storage
+
+    items = storage.read_parquet(storage.join(dataset_uri, "items.parquet"))
+    col = "title" if "title" in items.column_names else "text"
+    return dict(zip(items["item_id"].to_pylist(), items[col].to_pylist(), strict=True))
+
+
+def serve_stage(states_uri: str, seconds: float, concurrency: int, port: int) -> dict:
+    """Serve the states, show one user's top 10 of the whole catalog, then a short load."""
+    import httpx
+    import numpy as np
+    from ray import serve
+
+    from pipelines import build_user_states, storage
+    from services.app import build_app
+    from services.load import closed_loop
+
+    t0 = time.perf_counter()
+    manifest, table = build_user_states.read_states(states_uri)
+    items = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
+    item_of_vid = dict(zip(items["vid"].to_pylist(), items["item_id"].to_pylist(), strict=True))
+    titles = titles_of(manifest["dataset_uri"])
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"manifest_uri": states_uri}), name="kvrank", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    started = time.perf_counter() - t0
+    try:
+        # the user with the median history length: a typical one
+        lengths = np.asarray(table["length"].to_pylist())
+        row = table.slice(int(np.argsort(lengths)[len(lengths) // 2]), 1).to_pylist()[0]
+        user, hist = row["user_id"], [item_of_vid[v] for v in row["hist"]]
+        seen = set(hist)
+        catalog = [i for i in items["item_id"].to_pylist() if i not in seen]
+        best: list[dict] = []
+        t_rank = time.perf_counter()
+        with httpx.Client(timeout=120) as client:
+            for s in range(0, len(catalog), 2048):  # the app's max_candidates per request
+                r = client.post(
+                    f"{url}/v1/rank",
+                    json={"user_id": user, "candidate_item_ids": catalog[s : s + 2048], "k": 10},
+                )
+                r.raise_for_status()
+                best += r.json()["items"]
+            stats = client.get(f"{url}/v1/stats").json()
+        rank_ms = (time.perf_counter() - t_rank) * 1000
+        best = sorted(best, key=lambda x: -x["score"])[:10]
+        feedback = row["hist_fb"]
+        print(f"\nuser {user}: {len(hist)} items in the history; the last 10 (feedback class):")
+        for item, fb in list(zip(hist, feedback, strict=True))[-10:]:
+            print(f"  {'?' if fb < 0 else fb}  {titles.get(item, item)}")
+        print(f"top 10 of {len(catalog):,} unseen items ({rank_ms:.0f} ms over HTTP):")
+        for x in best:
+            print(f"  {x['score']:8.3f}  {titles.get(x['item_id'], x['item_id'])}")
+        users = table["user_id"].to_pylist()
+        rng = random.Random(0)
+        bodies = [
+            {"user_id": rng.choice(users), "candidate_item_ids": rng.sample(catalog, 100), "k": 10}
+            for _ in range(256)
+        ]
+        asyncio.run(closed_loop(f"{url}/v1/rank", bodies, 1, 2.0))  # warm-up
+        load = asyncio.run(closed_loop(f"{url}/v1/rank", bodies, concurrency, seconds))
+    finally:
+        serve.shutdown()
+    return {
+        "stage": "serve",
+        "seconds": round(time.perf_counter() - t0, 1),
+        "startup_seconds": round(started, 1),
+        "user": user,
+        "top10": [x["item_id"] for x in best],
+        "top10_titles": [titles.get(x["item_id"]) for x in best],
+        "catalog_rank_ms": round(rank_ms, 1),
+        "store_users": stats.get("store", {}).get("users"),
+        "load": load,
+    }
+
+
+def tables(stages: list[dict]) -> str:
+    """The summary as Markdown: time per stage, quality, compression, throughput."""
+    by = {s["stage"]: s for s in stages}
+    out = ["| stage | seconds |", "|---|---|"]
+    out += [f"| {s['stage']} | {s['seconds']:.1f} |" for s in stages]
+    out.append(f"| **total** | **{sum(s['seconds'] for s in stages):.1f}** |")
+    ev, evs = by["evaluate"], by["evaluate states"]
+    out += ["", "| ranker (test users, full catalog) | NDCG@10 | HR@10 |", "|---|---|---|"]
+    for label, src, key in (
+        ("text ranker, fp16 KV", ev, "ranker"),
+        ("CollectiveKV ranker, from stored states", evs, "ranker"),
+        ("its uncompressed base (same users)", evs, "uncompressed"),
+        ("most popular", ev, "most_popular"),
+    ):
+        if f"{key}_full_ndcg10" in src:
+            out.append(
+                f"| {label} | {src[f'{key}_full_ndcg10']:.4f} | {src[f'{key}_full_hr10']:.4f} |"
+            )
+    b = by["build states"]
+    out += [
+        "",
+        "| users | cached tokens | state bytes | fp16 KV bytes | ratio | bytes / user |",
+        "|---|---|---|---|---|---|",
+        f"| {b['users']:,} | {b['tokens']:,} | {b['state_bytes']:,} | {b['full_kv_bytes']:,} "
+        f"| {b['ratio']:.3%} | {b['bytes_per_user']:,.0f} |",
+    ]
+    ld = by["serve"]["load"]
+    out += [
+        "",
+        "| concurrency | requests | candidate scores/s | p50 ms | p99 ms | errors |",
+        "|---|---|---|---|---|---|",
+        f"| {ld['concurrency']} | {ld['requests']} | {ld['candidate_scores_per_s']:,.0f} "
+        f"| {ld['p50_ms']} | {ld['p99_ms']} | {ld['errors']} |",
+    ]
+    return "\n".join(out)
+
+
+def plot_stages(stages: list[dict]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [s["stage"] for s in stages]
+    ax.barh(names[::-1], [s["seconds"] for s in stages][::-1], color="#4c72b0")
+    ax.set_xlabel("wall seconds")
+    ax.set_title("make demo: time per stage")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipelines import (
+        analyze_kv,
+        build_user_states,
+        encode_items,
+        evaluate,
+        jobs,
+        prepare_data,
+        storage,
+        train_kv_pool,
+        train_ranker,
+    )
+
+    p = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="out")
+    p.add_argument("--dataset", default="ml-latest-small")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--epochs", type=int, default=3, help="ranker training epochs")
+    p.add_argument("--kv-epochs", type=int, default=1, help="CollectiveKV fine-tuning epochs")
+    p.add_argument("--load-seconds", type=float, default=10.0)
+    p.add_argument("--load-concurrency", type=int, default=8)
+    p.add_argument("--port", type=int, default=0, help="HTTP port of the app (0: a free one)")
+    a = p.parse_args(argv)
+    jobs.setup_logging()
+    t0 = time.perf_counter()
+    out = storage.absolute(a.out)
+    ds = storage.join(out, "datasets", a.dataset)
+    text_ckpt = storage.join(out, "checkpoints", f"{a.dataset}-text")
+    ckv_run = f"{a.dataset}-ckv"
+    states_uri = storage.join(out, "user_states", ckv_run)
+    common = ["--dataset-uri", ds, "--out", out]
+    train = ["--val-users", "64", "--negatives", "63", "--batch-size", "32"]
+    prep = ["--dataset", a.dataset, "--out", out]
+    prep += ["--data-dir", a.data_dir] if a.data_dir else []
+    stages = [
+        ("prepare", prepare_data, prep),
+        ("encode", encode_items, common),
+        ("train", train_ranker, [*common, "--epochs", str(a.epochs), *train, "--lr", "2e-3"]),
+        ("evaluate", evaluate, [*common, "--checkpoint", text_ckpt]),
+        ("analyze KV", analyze_kv, [*common, "--checkpoint", text_ckpt, "--users", "64"]),
+        (
+            "fit pools",
+            train_kv_pool,
+            [*common, "--checkpoint", text_ckpt, "--run", ckv_run]
+            + ["--epochs", str(a.kv_epochs), *train],
+        ),
+        (
+            "build states",
+            build_user_states,
+            [*common, "--checkpoint", storage.join(out, "checkpoints", ckv_run)],
+        ),
+        ("evaluate states", evaluate, [*common, "--user-states", states_uri]),
+    ]
+    done = []
+    for name, module, args in stages:
+        done.append(run_stage(name, module.main, module.__name__, args))
+        log.info("stage %s done in %.1f s", name, done[-1]["seconds"])
+    print("\n== serve: services.app over the stored states", file=sys.stderr, flush=True)
+    done.append(serve_stage(states_uri, a.load_seconds, a.load_concurrency, a.port or free_port()))
+    md = tables(done)
+    report = storage.join(out, "reports", "demo")
+    storage.write_bytes(storage.join(report, "summary.md"), (md + "\n").encode())
+    storage.write_bytes(
+        storage.join(report, "summary.json"), json.dumps({"stages": done}, indent=1).encode()
+    )
+    storage.write_bytes(storage.join(report, "stage_seconds.png"), plot_stages(done))
+    print("\n" + md + "\n", file=sys.stderr)
+    by = {s["stage"]: s for s in done}
+    summary = {
+        "job": "demo",
+        "dataset": a.dataset,
+        "stages": {s["stage"]: s["seconds"] for s in done},
+        "ndcg10": by["evaluate"].get("ranker_full_ndcg10"),
+        "ndcg10_from_states": by["evaluate states"].get("ranker_full_ndcg10"),
+        "state_ratio": by["build states"]["ratio"],
+        "scores_per_s": by["serve"]["load"]["candidate_scores_per_s"],
+        "report": report,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
