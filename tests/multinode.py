@@ -30,11 +30,10 @@ def main(out_dir: str) -> dict:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from models.config import CollectiveKVConfig
-    from pipelines import build_user_states, encode_items, train_kv_pool, train_ranker
+    from pipelines import encode_items
     from services.app import build_app
     from tests.conftest import free_port
-    from tests.tiny import TINY_SHAPE, base_texts, prepare, write_catalog, write_sequences
+    from tests.tiny import base_texts, prepare, tiny_ckv_states, write_catalog, write_sequences
 
     d = Path(out_dir)
     out = str(d / "out")
@@ -62,22 +61,7 @@ def main(out_dir: str) -> dict:
         assert encode_items.main(argv) == 0
         encoder_nodes = nodes_of(f"http://127.0.0.1:{dash}", "EncoderActor")
 
-        args = train_ranker.parse_args(
-            ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1"] + TINY_SHAPE
-        )
-        rc, tc = train_ranker.configs_from_args(args, 5)
-        base = train_ranker.train(ds, None, out, "base", rc, tc)
-        fit = train_kv_pool.fit(
-            ds,
-            base["checkpoint"],
-            out,
-            run="ckv",
-            ckv=CollectiveKVConfig(pool_size=16),
-            tc=tc,
-            init_users=40,
-            init_tokens=200,
-        )
-        built = build_user_states.build(ds, fit["checkpoint"], out, actors=2)
+        built = tiny_ckv_states(ds, out, actors=2)
 
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")

@@ -10,10 +10,9 @@ import httpx
 import pytest
 import torch
 
-from models.config import CollectiveKVConfig
-from pipelines import build_user_states, states, storage, train_kv_pool, train_ranker
+from pipelines import build_user_states, states, storage
 from tests.conftest import free_port
-from tests.tiny import TINY_SHAPE, base_texts, prepare, write_catalog, write_sequences
+from tests.tiny import base_texts, prepare, tiny_ckv_states, write_catalog, write_sequences
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +25,7 @@ def served(tmp_path_factory, ray_local):
     d = tmp_path_factory.mktemp("serve")
     out = str(d / "out")
     ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
-    args = train_ranker.parse_args(
-        ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1", *TINY_SHAPE]
-    )
-    rc, tc = train_ranker.configs_from_args(args, 5)
-    base = train_ranker.train(ds, None, out, "base", rc, tc)
-    fit = train_kv_pool.fit(
-        ds,
-        base["checkpoint"],
-        out,
-        run="ckv",
-        ckv=CollectiveKVConfig(pool_size=16),
-        tc=tc,
-        init_users=40,
-        init_tokens=200,
-    )
-    built = build_user_states.build(ds, fit["checkpoint"], out, actors=1)
+    built = tiny_ckv_states(ds, out)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {

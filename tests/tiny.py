@@ -70,3 +70,27 @@ TINY_MODEL += ["--ffn-dim", "64"]
 TINY_TRAIN = ["--batch-size", "8", "--cuts", "2", "--negatives", "5", "--val-users", "8"]
 TINY_TRAIN += ["--max-len", "10"]
 TINY_SHAPE = TINY_MODEL + TINY_TRAIN
+
+
+def tiny_ckv_states(ds: str, out: str, actors: int = 1) -> dict:
+    """Train a tiny id ranker on the tiny dataset, fit its CollectiveKV pools (M 16) and build
+    every user's state: the build_user_states summary (``user_states`` is the manifest URI)."""
+    from models.config import CollectiveKVConfig
+    from pipelines import build_user_states, train_kv_pool, train_ranker
+
+    args = train_ranker.parse_args(
+        ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1", *TINY_SHAPE]
+    )
+    rc, tc = train_ranker.configs_from_args(args, 5)
+    base = train_ranker.train(ds, None, out, "base", rc, tc)
+    fit = train_kv_pool.fit(
+        ds,
+        base["checkpoint"],
+        out,
+        run="ckv",
+        ckv=CollectiveKVConfig(pool_size=16),
+        tc=tc,
+        init_users=40,
+        init_tokens=200,
+    )
+    return build_user_states.build(ds, fit["checkpoint"], out, actors=actors)
