@@ -171,9 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     for m, du, share in grid:
         run = f"sweep-{stamp}-ckv-m{m}-u{du}" + ("" if share == "kv" else f"-share-{share}")
-        ckv = CollectiveKVConfig(
-            pool_size=m, user_dim=du, share_k="k" in share, share_v="v" in share
-        )
+        ckv = CollectiveKVConfig(pool_size=m, user_dim=du, **CollectiveKVConfig.share_flags(share))
         s = fitted(run, ckv=ckv)
         built = build_user_states.build(
             dataset_uri,

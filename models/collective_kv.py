@@ -259,9 +259,10 @@ def init_from_projections(
     k-means assignment and under the router's, for K and V (the sides that are shared)."""
     stats = {}
     for name, proj in (("k", k_proj), ("v", v_proj)):
-        if ckv.side(name) is None:
+        side = ckv.side(name)
+        if side is None:
             continue
-        router, pool, user = ckv.side(name)
+        router, pool, user = side
         shared = pool.shape[1]
         kv = proj(x.to(proj.weight.dtype))[:, :shared].float()
         c, assign = kmeans(kv, pool.shape[0], iters, seed)

@@ -107,6 +107,16 @@ class CollectiveKVConfig(_JsonConfig):
             "share K, V or both (with neither shared it is the plain KV cache: no pools needed)",
         )
 
+    @staticmethod
+    def share_flags(share: str) -> dict[str, bool]:
+        """``share_k`` / ``share_v`` for 'kv', 'k' or 'v' (what the pools carry)."""
+        _check(
+            share in ("kv", "k", "v"),
+            "CollectiveKVConfig",
+            f"share must be kv, k or v, got {share!r}",
+        )
+        return {"share_k": "k" in share, "share_v": "v" in share}
+
     @property
     def share(self) -> str:
         """'kv', 'k' or 'v': which of K and V come from the pools."""

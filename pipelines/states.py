@@ -59,8 +59,7 @@ class Layout:
         ckv = CollectiveKVConfig(
             pool_size=int(manifest["pool_size"]),
             user_dim=int(manifest["user_dim"]),
-            share_k="k" in share,
-            share_v="v" in share,
+            **CollectiveKVConfig.share_flags(share),
         )
         return cls(int(manifest["n_layers"]), int(manifest["kv_width"]), ckv)
 

@@ -252,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 user_dim=a.user_dim,
                 peak_weight=a.peak_weight,
                 balance_weight=a.balance_weight,
-                share_k="k" in a.share,
-                share_v="v" in a.share,
+                **CollectiveKVConfig.share_flags(a.share),
             )
         except ConfigError as e:
             raise InputError(str(e)) from e

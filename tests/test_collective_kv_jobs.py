@@ -31,7 +31,7 @@ from tests.tiny import N_USERS, TINY_SHAPE, TINY_TRAIN, run_json
 
 def tiny_ckv_ranker(user_dim: int = 2, share: str = "kv") -> Ranker:
     ckv = CollectiveKVConfig(
-        pool_size=64, user_dim=user_dim, share_k="k" in share, share_v="v" in share
+        pool_size=64, user_dim=user_dim, **CollectiveKVConfig.share_flags(share)
     )
     return tiny_ranker(ckv, item_input="id")
 

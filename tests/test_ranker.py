@@ -226,6 +226,12 @@ def test_sharing_off_stores_that_half_whole(share):
         assert torch.equal(getattr(state.layers[i], f"u_{whole}")[valid], plain[valid])
     with pytest.raises(ConfigError, match="share K, V or both"):
         CollectiveKVConfig(share_k=False, share_v=False)
+    assert CollectiveKVConfig.share_flags(share) == {
+        "share_k": share == "k",
+        "share_v": share == "v",
+    }
+    with pytest.raises(ConfigError, match="share must be kv, k or v"):
+        CollectiveKVConfig.share_flags("kx")
 
 
 def test_large_pools_use_int32_indices():
