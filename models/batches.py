@@ -1,10 +1,12 @@
 """Training and evaluation batches from per-user sequences (vids), in plain PyTorch/NumPy.
 
 A user's training sequence is their split history (validation and test items are never
-trained on). Each training batch takes, per user, a random window of at most ``max_len + 1``
-items and ``cuts`` cut points t in it: the model reads window[:t] and must pick window[t] (the
-positive, candidate 0) among ``negatives`` items drawn uniformly from the catalog. All cut points
-of a user share one prefill (``Ranker.forward(..., cut=...)``).
+trained on). Each training batch takes, per user, a window of at most ``max_len + 1`` items
+(half the time the latest ones - the history serving ranks after - otherwise ending at a random
+point) and ``cuts`` cut points t in it: the model reads window[:t] and must pick window[t] (the
+positive, candidate 0) among ``negatives`` items drawn from the catalog. All cut points of a
+user share one prefill (``Ranker.forward(..., cut=...)``). ``next_vids`` holds every next item
+of the window, for the full-catalog loss of the user token at every position.
 
 Negatives come from a sampling distribution Q over the catalog: uniform, or (better for
 full-catalog ranking, where popular items are the hard competitors) popularity^alpha. Training
@@ -30,6 +32,7 @@ class TrainBatch:
     cut: Tensor  # (B, C * (1 + K)) history items visible to each candidate
     groups: int  # C: cut points per user; scores.view(B, C, 1 + K), label 0
     log_q: Tensor  # (B, C * (1 + K)) log sampling probability of each candidate
+    next_vids: Tensor  # (B, T): the item after the first t + 1 history items; -100 = padding
 
 
 def sampling_distribution(counts: np.ndarray, alpha: float) -> np.ndarray:
@@ -67,13 +70,14 @@ def training_batch(
     """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items).
     ``q`` (n_items,): the negative sampling distribution (default uniform)."""
     cdf = np.cumsum(q) if q is not None else None
-    win_v, win_f, cand_rows, cut_rows = [], [], [], []
+    win_v, win_f, cand_rows, cut_rows, next_rows = [], [], [], [], []
     k = 1 + negatives
     for v, f in zip(vids, feedback, strict=True):
         n = len(v)
         if n < 2:
             raise ValueError("training sequences need at least 2 items")
-        end = int(rng.integers(2, n + 1))  # window = v[start:end], positives at 1..len-1
+        # window = v[start:end], positives at 1..len-1
+        end = n if rng.random() < 0.5 else int(rng.integers(2, n + 1))
         start = max(0, end - max_len - 1)
         wv, wf = np.asarray(v[start:end]), np.asarray(f[start:end])
         t = rng.integers(1, len(wv), size=cuts)  # cut points (with replacement for short windows)
@@ -88,6 +92,7 @@ def training_batch(
         # the last item is only ever a positive, never history: drop it from the prefill input
         win_v.append(wv[:-1])
         win_f.append(wf[:-1])
+        next_rows.append(wv[1:])
     history = History(_pad(win_v, -1), _pad(win_f, -1), torch.tensor([len(x) for x in win_v]))
     cands = np.stack(cand_rows)
     log_q = np.log(q[cands] if q is not None else np.full(cands.shape, 1.0 / n_items))
@@ -97,4 +102,5 @@ def training_batch(
         torch.from_numpy(np.stack(cut_rows)),
         cuts,
         torch.from_numpy(log_q).float(),
+        _pad(next_rows, -100),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T", bound="_JsonConfig")
 
@@ -27,8 +27,12 @@ class _JsonConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
+    # fields added after configs were first written: what a saved config without them meant
+    _absent_means: ClassVar[dict[str, Any]] = {}
+
     @classmethod
     def from_dict(cls: type[T], d: dict[str, Any]) -> T:
+        d = {**cls._absent_means, **d}
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = set(d) - names
         if unknown:
@@ -154,6 +158,12 @@ class RankerConfig(_JsonConfig):
     kv_rank: int = 0
     dropout: float = 0.0
     item_input: str = "text"  # "text": encoder vectors by vid; "id": learned id embeddings
+    # a user token scored beside the candidates in the same MIS pass: its output u adds
+    # <u, candidate token> to every candidate's score, and lets training use a full-catalog
+    # softmax at every history position (see models.ranker)
+    user_token: bool = True
+
+    _absent_means = {"user_token": False}  # checkpoints from before the user token
 
     def __post_init__(self) -> None:
         c = "RankerConfig"

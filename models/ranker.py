@@ -6,6 +6,15 @@ feedback_emb[f_t] (+ time_emb[gap bucket])``, then candidates ``c_j = adapter(it
 the whole history and itself, never another candidate (multi-item scoring, MIS). The score of
 candidate j is a linear head on its last hidden state.
 
+With ``user_token`` (the default) one more token rides along with the candidates: a learned
+query embedding at position T+1 that sees the history and itself, like a candidate. Its output
+``u = user_head(norm(x))`` is the user's vector, and every candidate's score gains ``<u, c_j>``
+(c_j: the candidate's input token). Scoring stays one MIS pass (one token more), the cache is
+unchanged; what it buys is training: ``<u_t, c>`` for the user token at each history position t
+against every catalog item is a full-catalog softmax over all next-item predictions of a
+history, which sampled negatives alone approximate poorly (the popular items a full-catalog
+ranking competes with are rarely drawn).
+
 Serving API, on a batch of users with ragged histories:
 
     cache  = ranker.prefill(history)                 # KVCache, or CompressedCache with CKV
@@ -128,6 +137,9 @@ Cache = KVCache | CompressedCache
 class RankerOutput:
     scores: Tensor  # (B, N); padded candidates -inf
     aux_loss: Tensor  # CollectiveKV peak + balance (0 without CollectiveKV)
+    # (B, T, n_items) with ``catalog=True`` and a user token: column t-1 scores every item as
+    # the next one after the first t history items (<u_t, c>); None otherwise
+    catalog: Tensor | None = None
 
 
 @dataclass
@@ -238,6 +250,9 @@ class Ranker(nn.Module):
         self.time_emb = nn.Embedding(cfg.time_buckets, cfg.d_model) if cfg.time_buckets else None
         self.bos = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
         self.cand_emb = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
+        if cfg.user_token:
+            self.user_query = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
+            self.user_head = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, 1)
@@ -419,26 +434,76 @@ class Ranker(nn.Module):
         kv = self.expand(cache)
         if tokens.ndim == 2:
             tokens = tokens.expand(len(kv.lengths), -1, -1)
-        x, _, _ = self._step(kv, tokens, cached=False)
-        return self._head(x)
+        if not self.cfg.user_token:
+            x, _, _ = self._step(kv, tokens, cached=False)
+            return self._head(x)
+        b = len(kv.lengths)
+        x, _, _ = self._step(kv, torch.cat([self.user_query.expand(b, 1, -1), tokens], 1), False)
+        return self._head(x[:, 1:]) + (self._user_vector(x[:, :1]) * tokens).sum(-1)
+
+    @torch.no_grad()
+    def user_vector(self, cache: Cache) -> Tensor:
+        """The user token's vector u (B, d) for these caches: ``<u, candidate token>`` is the
+        part of each candidate's score a dot product gives (a retrieval query)."""
+        if not self.cfg.user_token:
+            raise ValueError("this ranker has no user token (RankerConfig.user_token=False)")
+        kv = self.expand(cache)
+        x, _, _ = self._step(kv, self.user_query.expand(len(kv.lengths), 1, -1), cached=False)
+        return self._user_vector(x[:, 0])
+
+    def _user_vector(self, x: Tensor) -> Tensor:
+        """Final hidden states of user tokens (..., d) -> the user's vectors (..., d)."""
+        return self.user_head(self.norm(x))
 
     def forward(
-        self, history: History, candidate_vids: Tensor, cut: Tensor | None = None
+        self,
+        history: History,
+        candidate_vids: Tensor,
+        cut: Tensor | None = None,
+        catalog: bool = False,
     ) -> RankerOutput:
         """Training forward: prefill + MIS fast path with gradients; see ``ranking_loss``.
 
         candidate_vids (B, N). ``cut`` (B, N), optional: candidate j is scored against the first
         cut[b, j] history items only, as if the history ended there - one prefill then trains
         on several next-item predictions per user (the causal prefix of a history does not
-        depend on what follows it). Default: the whole history.
+        depend on what follows it). Default: the whole history. ``catalog``: also return the
+        user token's full-catalog logits after every history prefix (``RankerOutput.catalog``).
         """
         p = self._prefill(history)
-        visible = None if cut is None else cut + 1  # + BOS
+        tokens = self._candidate_tokens(candidate_vids)
+        if not self.cfg.user_token:
+            visible = None if cut is None else cut + 1  # + BOS
+            x, _, _ = self._step(p.kv, tokens, cached=False, visible=visible)
+            scores = self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
+            return RankerOutput(scores, p.aux)
+        b, n = candidate_vids.shape
+        if cut is None:
+            cut = history.lengths[:, None].expand(b, n)
+        # a user token after each history prefix t = 1..T (t clamped to the user's length), in
+        # the same pass as the candidates; a candidate at cut t adds <u_t, its token>
+        t = history.vids.shape[1]
+        prefix = torch.minimum(
+            torch.arange(1, t + 1, device=cut.device).expand(b, -1), history.lengths[:, None]
+        ).clamp(min=1)
+        queries = self.user_query.expand(b, t, -1)
         x, _, _ = self._step(
-            p.kv, self._candidate_tokens(candidate_vids), cached=False, visible=visible
+            p.kv,
+            torch.cat([queries, tokens], 1),
+            cached=False,
+            visible=torch.cat([prefix, cut], 1) + 1,
         )
-        scores = self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
-        return RankerOutput(scores, p.aux)
+        u = self._user_vector(x[:, :t])  # (B, T, d)
+        u_cand = u.gather(1, (cut - 1).clamp(min=0)[..., None].expand(-1, -1, u.shape[-1]))
+        scores = self._head(x[:, t:]) + (u_cand * tokens).sum(-1)
+        scores = scores.masked_fill(candidate_vids < 0, float("-inf"))
+        logits = u @ self.catalog_tokens().T if catalog else None
+        return RankerOutput(scores, p.aux, logits)
+
+    def catalog_tokens(self) -> Tensor:
+        """Candidate tokens of every item in the catalog, (n_items, d)."""
+        n = len(self.item_emb.weight) if self.item_emb is not None else len(self.item_table)
+        return self._candidate_tokens(torch.arange(n, device=self.bos.device))
 
     @torch.no_grad()
     def score_reference(self, history: History, candidate_vids: Tensor) -> Tensor:
@@ -446,8 +511,10 @@ class Ranker(nn.Module):
         and ``scaled_dot_product_attention``. candidate_vids (B, N) -> scores (B, N)."""
         cfg = self.cfg
         xh, lengths = self._embed_history(history)
-        xc = self._candidate_tokens(candidate_vids)
+        xc = cand_tokens = self._candidate_tokens(candidate_vids)
         b, length, _ = xh.shape
+        if cfg.user_token:  # one more "candidate": the user token, first
+            xc = torch.cat([self.user_query.expand(b, 1, -1), xc], 1)
         n = xc.shape[1]
         x = torch.cat([xh, xc], dim=1)
         dev = x.device
@@ -480,7 +547,11 @@ class Ranker(nn.Module):
             v = split_heads(v, cfg.n_kv_heads)
             x = x + att.o_proj(merge_heads(masked_attention(q, k, v, mask)))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self._head(x[:, length:]).masked_fill(candidate_vids < 0, float("-inf"))
+        scores = self._head(x[:, length + n - candidate_vids.shape[1] :])
+        if cfg.user_token:
+            u = self._user_vector(x[:, length])
+            scores = scores + (cand_tokens * u[:, None, :]).sum(-1)
+        return scores.masked_fill(candidate_vids < 0, float("-inf"))
 
     # -- extend
 

@@ -48,6 +48,29 @@ def user_sequences(dataset_uri: str) -> pl.DataFrame:
     )
 
 
+def training_windows(seqs: pl.DataFrame, max_len: int) -> pl.DataFrame:
+    """Each user's history cut from its end into windows of ``max_len + 1`` items (consecutive
+    windows share one item, so every item after the first is a next-item target once): the rows
+    of a training epoch. A window shorter than 2 items (the oldest rest) is dropped.
+    Columns: user_id, hist, hist_fb (the window)."""
+    span = max_len + 1
+    n = seqs["hist"].list.len()
+    ends = [list(range(int(k), 1, -max_len)) for k in n.to_list()]
+    rows = (
+        seqs.select("user_id", "hist", "hist_fb")
+        .with_columns(pl.Series("end", ends, dtype=pl.List(pl.Int64)))
+        .explode("end")
+        .drop_nulls("end")
+        .with_columns(start=(pl.col("end") - span).clip(lower_bound=0))
+    )
+    length = pl.col("end") - pl.col("start")
+    return rows.select(
+        "user_id",
+        pl.col("hist").list.slice(pl.col("start"), length),
+        pl.col("hist_fb").list.slice(pl.col("start"), length),
+    )
+
+
 def vectors_uri(out: str, dataset: str, encoder_tag: str) -> str:
     """Item vectors of one dataset's catalog by one encoder."""
     return storage.join(out, "item_vectors", dataset, encoder_tag)

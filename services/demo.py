@@ -229,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     ckv_run = f"{a.dataset}-ckv"
     states_uri = storage.join(out, "user_states", ckv_run)
     common = ["--dataset-uri", ds, "--out", out]
-    train = ["--val-users", "64", "--negatives", "63", "--batch-size", "32"]
+    train = ["--val-users", "64"]
     prep = ["--dataset", a.dataset, "--out", out]
     prep += ["--data-dir", a.data_dir] if a.data_dir else []
     stages = [
         ("prepare", prepare_data, prep),
         ("encode", encode_items, common),
-        ("train", train_ranker, [*common, "--epochs", str(a.epochs), *train, "--lr", "2e-3"]),
+        ("train", train_ranker, [*common, "--epochs", str(a.epochs), *train]),
         ("evaluate", evaluate, [*common, "--checkpoint", text_ckpt]),
         ("analyze KV", analyze_kv, [*common, "--checkpoint", text_ckpt, "--users", "64"]),
         (

@@ -373,6 +373,38 @@ def test_training_at_cut_points_equals_scoring_each_prefix(mode):
             assert_close(got[b, j], want[0, 0], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("mode", CKV_MODES)
+def test_catalog_logits_are_the_user_vector_after_each_prefix(mode):
+    """The full-catalog training logits at position t are <u, every catalog item's token> with
+    u the user token's vector after prefill(h[:t]) - what scoring the catalog would add."""
+    model = tiny_ranker(CKV_MODES[mode])
+    h = ragged_history()
+    with torch.no_grad():
+        out = model(h, candidates().clamp(min=0), catalog=True)
+        catalog = model.catalog_tokens()
+    assert out.catalog.shape == (4, 7, N_ITEMS)
+    for b in range(4):
+        for t in range(1, int(h.lengths[b]) + 1):
+            prefix = History(h.vids[b : b + 1, :t], h.feedback[b : b + 1, :t], torch.tensor([t]))
+            u = model.user_vector(model.prefill(prefix))
+            assert_close(out.catalog[b, t - 1], (u @ catalog.T)[0], atol=ATOL, rtol=0)
+
+
+def test_a_config_saved_before_the_user_token_loads_without_it():
+    old = tiny_config().to_dict()
+    del old["user_token"]
+    cfg = RankerConfig.from_dict(old)
+    assert not cfg.user_token and tiny_config().user_token
+    torch.manual_seed(0)
+    model = Ranker(cfg, n_items=N_ITEMS).eval()
+    model.set_item_table(torch.randn(N_ITEMS, 16))
+    assert not any("user" in name for name in model.state_dict())
+    h, c = ragged_history(), candidates()
+    assert_close(model.score(model.prefill(h), c), model.score_reference(h, c), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="no user token"):
+        model.user_vector(model.prefill(h))
+
+
 def test_item_id_inputs_learn_an_embedding_per_item():
     model = tiny_ranker(None, item_input="id").train()
     with pytest.raises(ValueError, match="item-id embeddings"):
@@ -405,3 +437,30 @@ def test_int8_kv_baseline_bytes_and_error():
         step = a.abs().amax(-1, keepdim=True) / 127
         assert ((a - b).abs() <= step * 0.5 + 1e-3 * step).all()  # half a step, scale in fp16
     assert_close(model.score(q, c), model.score(cache, c), atol=0.05, rtol=0.05)
+
+
+def test_training_batch_positives_cuts_and_next_items_follow_the_window():
+    import numpy as np
+
+    from models.batches import training_batch
+
+    seqs = [np.arange(100, 130), np.array([7, 8]), np.arange(200, 205)]
+    fbs = [np.zeros(len(s), dtype=np.int64) for s in seqs]
+    tb = training_batch(
+        seqs, fbs, np.random.default_rng(3), n_items=300, max_len=10, cuts=4, negatives=3
+    )
+    for b, seq in enumerate(seqs):
+        n = int(tb.history.lengths[b])
+        hist = tb.history.vids[b, :n].numpy()
+        # the history is a contiguous run of the sequence, at most max_len long
+        start = int(np.flatnonzero(seq == hist[0])[0])
+        assert n <= 10 and (seq[start : start + n] == hist).all()
+        window = seq[start : start + n + 1]  # ... and the window's last item is only a target
+        assert tb.next_vids[b, :n].tolist() == window[1:].tolist()
+        assert (tb.next_vids[b, n:] == -100).all()
+        groups = tb.candidates[b].view(4, 4)
+        cuts = tb.cut[b].view(4, 4)
+        for g in range(4):
+            t = int(cuts[g, 0])
+            assert (cuts[g] == t).all() and 1 <= t <= n
+            assert int(groups[g, 0]) == window[t]  # the positive is the item after the cut
