@@ -11,8 +11,25 @@ import pytest
 import torch
 
 from pipelines import encode_items, evaluate, prepare_data, storage, train_ranker
-from pipelines.data import item_table
+from pipelines.data import item_table, training_windows
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
+
+
+def test_training_windows_make_every_history_item_after_the_first_a_target_once():
+    seqs = pl.DataFrame(
+        {
+            "user_id": [1, 2, 3],
+            "hist": [list(range(100, 112)), [7, 8], [9]],
+            "hist_fb": [list(range(12)), [1, 2], [3]],
+        }
+    )
+    w = training_windows(seqs, max_len=5)
+    assert w["user_id"].to_list() == [1, 1, 1, 2]  # user 3 has nothing to predict
+    assert w["hist"].to_list() == [list(range(106, 112)), list(range(101, 107)), [100, 101], [7, 8]]
+    assert w["hist_fb"].to_list()[0] == list(range(6, 12))  # feedback cut alongside
+    targets = [t for h in w.filter(pl.col("user_id") == 1)["hist"].to_list() for t in h[1:]]
+    assert sorted(targets) == list(range(101, 112))
+    assert all(len(h) <= 6 for h in w["hist"].to_list())
 
 
 def test_encoding_is_incremental(tiny, ray_local, capsys):
