@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.ranker import History
+from models.inputs import History
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch
 
 from models.collective_kv import STATE_DTYPE, LayerState
 from models.config import CollectiveKVConfig, RankerConfig
-from models.ranker import CompressedCache
+from models.inputs import CompressedCache
 
 FIELDS = ("idx_k", "idx_v", "u_k", "u_v")
 

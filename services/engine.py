@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from models.batches import history_batch
-from models.ranker import CompressedCache, Event, History
+from models.inputs import CompressedCache, Event, History
 from pipelines import states, storage
 
 Row = dict  # one user's state row (pipelines.states format)
