@@ -56,6 +56,40 @@ def history_batch(vids: list[np.ndarray], feedback: list[np.ndarray], max_len: i
     return History(_pad(v, -1), _pad(f, -1), torch.tensor([len(x) for x in v], dtype=torch.long))
 
 
+def sample_window(
+    v: np.ndarray, f: np.ndarray, rng: np.random.Generator, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A window of at most ``max_len + 1`` items of a sequence of >= 2: half the time the
+    latest ones, otherwise ending at a random point."""
+    n = len(v)
+    if n < 2:
+        raise ValueError("training sequences need at least 2 items")
+    end = n if rng.random() < 0.5 else int(rng.integers(2, n + 1))
+    start = max(0, end - max_len - 1)
+    return np.asarray(v[start:end]), np.asarray(f[start:end])
+
+
+def sample_candidates(
+    window: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    n_items: int,
+    cuts: int,
+    negatives: int,
+    q: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``cuts`` cut points t in 1..len-1 (with replacement for short windows) and, per cut, the
+    positive window[t] followed by ``negatives`` items drawn from ``q`` (default uniform).
+    Returns (t (cuts,), candidates (cuts, 1 + negatives))."""
+    t = rng.integers(1, len(window), size=cuts)
+    if q is None:
+        neg = rng.integers(0, n_items, size=(cuts, negatives))
+    else:
+        cdf = np.cumsum(q)
+        neg = np.minimum(np.searchsorted(cdf, rng.random((cuts, negatives)) * cdf[-1]), n_items - 1)
+    return t, np.concatenate([window[t][:, None], neg], axis=1)
+
+
 def training_batch(
     vids: list[np.ndarray],
     feedback: list[np.ndarray],
@@ -66,28 +100,28 @@ def training_batch(
     cuts: int,
     negatives: int,
     q: np.ndarray | None = None,
+    given: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
 ) -> TrainBatch:
     """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items).
-    ``q`` (n_items,): the negative sampling distribution (default uniform)."""
-    cdf = np.cumsum(q) if q is not None else None
+    ``q`` (n_items,): the negative sampling distribution (default uniform). ``given``: fixed
+    (cut points (cuts,), candidates (cuts, 1 + negatives)) per sequence instead - the examples
+    a teacher labelled; the sequences are then used whole, as the windows they were cut for."""
     win_v, win_f, cand_rows, cut_rows, next_rows = [], [], [], [], []
     k = 1 + negatives
-    for v, f in zip(vids, feedback, strict=True):
-        n = len(v)
-        if n < 2:
-            raise ValueError("training sequences need at least 2 items")
-        # window = v[start:end], positives at 1..len-1
-        end = n if rng.random() < 0.5 else int(rng.integers(2, n + 1))
-        start = max(0, end - max_len - 1)
-        wv, wf = np.asarray(v[start:end]), np.asarray(f[start:end])
-        t = rng.integers(1, len(wv), size=cuts)  # cut points (with replacement for short windows)
-        if cdf is None:
-            neg = rng.integers(0, n_items, size=(cuts, negatives))
-        else:
-            neg = np.minimum(
-                np.searchsorted(cdf, rng.random((cuts, negatives)) * cdf[-1]), n_items - 1
+    for i, (v, f) in enumerate(zip(vids, feedback, strict=True)):
+        if given is None:
+            wv, wf = sample_window(v, f, rng, max_len)
+            t, cands = sample_candidates(
+                wv, rng, n_items=n_items, cuts=cuts, negatives=negatives, q=q
             )
-        cand_rows.append(np.concatenate([wv[t][:, None], neg], axis=1).reshape(-1))
+        else:
+            wv, wf = np.asarray(v), np.asarray(f)
+            t, cands = np.asarray(given[0][i]), np.asarray(given[1][i]).reshape(cuts, k)
+            if len(wv) > max_len + 1 or t.min() < 1 or t.max() >= len(wv):
+                raise ValueError(
+                    f"labelled cut points {t.tolist()} do not fit a window of {len(wv)}"
+                )
+        cand_rows.append(cands.reshape(-1))
         cut_rows.append(np.repeat(t, k))
         # the last item is only ever a positive, never history: drop it from the prefill input
         win_v.append(wv[:-1])

@@ -52,6 +52,9 @@ def _nested(cls: type, name: str, value: Any) -> Any:
     return value
 
 
+ITEM_INPUTS = ("text", "id", "text+id")  # RankerConfig.item_input
+
+
 def _check(cond: bool, cls: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{cls}: {msg}")
@@ -157,7 +160,10 @@ class RankerConfig(_JsonConfig):
     # are up-projected from them; 0: off. A comparison for CollectiveKV at equal bytes.
     kv_rank: int = 0
     dropout: float = 0.0
-    item_input: str = "text"  # "text": encoder vectors by vid; "id": learned id embeddings
+    # "text": encoder vectors by vid; "id": learned id embeddings instead (the baseline);
+    # "text+id": encoder vectors plus a learned per-item residual that starts at zero, so an item
+    # never seen in training is scored by its text alone
+    item_input: str = "text"
     # a user token scored beside the candidates in the same MIS pass: its output u adds
     # <u, candidate token> to every candidate's score, and lets training use a full-catalog
     # softmax at every history position (see models.ranker)
@@ -194,9 +200,9 @@ class RankerConfig(_JsonConfig):
         )
         _check(0.0 <= self.dropout < 1.0, c, f"dropout must be in [0, 1), got {self.dropout}")
         _check(
-            self.item_input in ("text", "id"),
+            self.item_input in ITEM_INPUTS,
             c,
-            f"item_input must be 'text' or 'id', got {self.item_input!r}",
+            f"item_input must be one of {', '.join(ITEM_INPUTS)}; got {self.item_input!r}",
         )
         if self.collective_kv is not None:
             _check(
@@ -217,6 +223,11 @@ class RankerConfig(_JsonConfig):
     def kv_width(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    @property
+    def reads_vectors(self) -> bool:
+        """Whether the ranker needs the encoder's item table (set_item_table) to score."""
+        return self.item_input != "id"
+
 
 @dataclass(frozen=True)
 class TeacherConfig(_JsonConfig):
@@ -230,9 +241,12 @@ class TeacherConfig(_JsonConfig):
     model_dir: str | None = None
     d_model: int = 128  # the local default model's shape (ignored with model_dir)
     n_layers: int = 2
-    n_heads: int = 4
+    n_heads: int = 2  # head size 64: what vLLM's CPU attention accepts
     ffn_dim: int = 256
-    max_length: int = 512  # prompt tokens; the oldest history is cut first
+    # the local model's token embeddings start from the shipped MiniLM's word embeddings,
+    # projected to d_model by their principal components (False: random)
+    init_from_encoder: bool = True
+    max_length: int = 256  # prompt tokens; the oldest history is cut first
     max_history: int = 20  # most recent history titles in the prompt
     yes_token: str = "yes"
     seed: int = 0  # initialisation seed of the local default model

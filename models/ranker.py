@@ -2,9 +2,12 @@
 
 Input sequence per user: ``[BOS] h_1 ... h_T`` with ``h_t = adapter(item_table[vid_t]) +
 feedback_emb[f_t] (+ time_emb[gap bucket])``, then candidates ``c_j = adapter(item_table[vid_j])
-+ cand_emb``. Position p of BOS is 0, of h_t is t; every candidate sits at position T+1 and sees
-the whole history and itself, never another candidate (multi-item scoring, MIS). The score of
-candidate j is a linear head on its last hidden state.
++ cand_emb``; with ``item_input="text+id"`` every item token also adds a learned per-item
+residual ``id_residual[vid]`` (zero at start, so unseen items keep their text token), and with
+``"id"`` (the baseline) a learned embedding replaces ``item_table``. Position p of BOS is 0, of
+h_t is t; every candidate sits at position T+1 and sees the whole history and itself, never
+another candidate (multi-item scoring, MIS). The score of candidate j is a linear head on its
+last hidden state.
 
 With ``user_token`` (the default) one more token rides along with the candidates: a learned
 query embedding at position T+1 that sees the history and itself, like a candidate. Its output
@@ -76,6 +79,16 @@ def time_gap_buckets(ts: Tensor, n_buckets: int) -> Tensor:
 def ranking_loss(scores: Tensor, labels: Tensor) -> Tensor:
     """Softmax cross-entropy over each row's candidates; labels (B,) = index of the positive."""
     return F.cross_entropy(scores, labels)
+
+
+def distillation_loss(scores: Tensor, teacher: Tensor, temperature: float = 1.0) -> Tensor:
+    """KL(teacher || ranker) between the softmax distributions over each row's candidates at
+    ``temperature``, times temperature^2 (so its gradient keeps its scale as T changes), mean
+    over rows. scores, teacher (R, N)."""
+    t = temperature
+    p = torch.log_softmax(teacher.float() / t, dim=-1)
+    q = torch.log_softmax(scores.float() / t, dim=-1)
+    return (p.exp() * (p - q)).sum(-1).mean() * t * t
 
 
 # ----------------------------------------------------------------------------- the model
@@ -157,6 +170,12 @@ class Ranker(nn.Module):
         self.register_buffer("item_table", torch.zeros(n_items, cfg.item_dim), persistent=False)
         # the baseline without text: a learned vector per item id instead of the encoder's
         self.item_emb = nn.Embedding(n_items, cfg.item_dim) if cfg.item_input == "id" else None
+        # text+id: a learned residual per item on top of its text token, zero until training
+        # moves it (items that never occur in training keep their text token exactly)
+        self.id_residual = None
+        if cfg.item_input == "text+id":
+            self.id_residual = nn.Embedding(n_items, cfg.d_model)
+            nn.init.zeros_(self.id_residual.weight)
         self.adapter = nn.Sequential(
             nn.Linear(cfg.item_dim, cfg.d_model), nn.SiLU(), nn.Linear(cfg.d_model, cfg.d_model)
         )
@@ -182,7 +201,7 @@ class Ranker(nn.Module):
 
     def set_item_table(self, vectors: Tensor) -> None:
         """vectors (n_items, item_dim): row i is the item with vid i."""
-        if self.item_emb is not None:
+        if not self.cfg.reads_vectors:
             raise ValueError("this ranker learns item-id embeddings (item_input='id'): no table")
         if vectors.ndim != 2 or vectors.shape[1] != self.cfg.item_dim:
             raise ValueError(
@@ -195,7 +214,8 @@ class Ranker(nn.Module):
         raw = (
             self.item_emb(v) if self.item_emb is not None else self.item_table[v].to(self.bos.dtype)
         )
-        return self.adapter(raw)
+        tokens = self.adapter(raw)
+        return tokens if self.id_residual is None else tokens + self.id_residual(v)
 
     def _history_tokens(self, vids: Tensor, feedback: Tensor, time_bucket: Tensor | None) -> Tensor:
         x = self._item_tokens(vids) + self.feedback_emb((feedback + 1).clamp(min=0))

@@ -10,6 +10,7 @@ teacher knows nothing about datasets or Ray.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,23 @@ class TeacherExample:
     history_titles: list[str]
     history_feedback: list[int]
     candidate_title: str
+
+
+def examples_for(
+    window: Sequence[int],
+    feedback: Sequence[int],
+    cuts: Sequence[int],
+    candidates: Sequence[Sequence[int]],
+    titles: Sequence[str],
+) -> list[TeacherExample]:
+    """One example per (cut, candidate), in that order: history = window[:t] of each cut point t,
+    every candidate vid of that cut's row; ``titles`` maps vids to text."""
+    out = []
+    for t, row in zip(cuts, candidates, strict=True):
+        hist = [titles[v] for v in window[:t]]
+        fb = [int(f) for f in feedback[:t]]
+        out.extend(TeacherExample(hist, fb, titles[c]) for c in row)
+    return out
 
 
 def build_prompt(ex: TeacherExample, max_history: int) -> str:
@@ -75,6 +93,8 @@ class TextTeacher(nn.Module):
                     tie_word_embeddings=True,
                 )
             )
+            if cfg.init_from_encoder:
+                self._init_embeddings_from_encoder()
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         ids = self.tokenizer(cfg.yes_token, add_special_tokens=False)["input_ids"]
@@ -82,6 +102,27 @@ class TextTeacher(nn.Module):
             raise ValueError(f"the tokenizer has no token for yes_token {cfg.yes_token!r}")
         self.yes_id = ids[0]
         self.model.eval()
+
+    @torch.no_grad()
+    def _init_embeddings_from_encoder(self) -> None:
+        """Token embeddings from the MiniLM word embeddings (same tokenizer): centred, projected
+        onto their top d_model principal components and scaled to the init's spread, so the
+        teacher starts knowing which title words are alike."""
+        from transformers import AutoModel
+
+        words = AutoModel.from_pretrained(default_model_dir(), local_files_only=True)
+        table = words.get_input_embeddings().weight.float()
+        emb = self.model.get_input_embeddings().weight
+        d = emb.shape[1]
+        if table.shape[0] != emb.shape[0] or d > table.shape[1]:
+            raise ValueError(
+                f"encoder embeddings {tuple(table.shape)} do not fit the teacher's "
+                f"{tuple(emb.shape)}"
+            )
+        centred = table - table.mean(0)
+        _, _, v = torch.linalg.svd(centred, full_matrices=False)
+        proj = centred @ v[:d].T
+        emb.copy_(proj * (emb.std() / proj.std()))
 
     def prompts(self, examples: list[TeacherExample]) -> list[str]:
         return [build_prompt(ex, self.cfg.max_history) for ex in examples]
@@ -105,8 +146,13 @@ class TextTeacher(nn.Module):
         mask = batch["attention_mask"].to(dev)
         # left padding: positions count from each prompt's first real token
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # only the last position's logits: the full (B, S, vocab) tensor would cost more than
+        # the layers
         logits = self.model(
-            input_ids=batch["input_ids"].to(dev), attention_mask=mask, position_ids=positions
+            input_ids=batch["input_ids"].to(dev),
+            attention_mask=mask,
+            position_ids=positions,
+            logits_to_keep=1,
         ).logits
         return logits[:, -1, self.yes_id]
 

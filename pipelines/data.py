@@ -48,6 +48,17 @@ def user_sequences(dataset_uri: str) -> pl.DataFrame:
     )
 
 
+def item_titles(dataset_uri: str) -> list[str]:
+    """Each item's title by vid (the text the teacher reads); ``text`` where a catalog has no
+    title column."""
+    items = read_dataset_table(dataset_uri, "items")
+    col = "title" if "title" in items.columns else "text"
+    items = items.sort("vid")
+    if items.height and items["vid"].to_list() != list(range(items.height)):
+        raise InputError(f"{dataset_uri}: items.vid is not 0..{items.height - 1}")
+    return items[col].fill_null("").to_list()
+
+
 def training_windows(seqs: pl.DataFrame, max_len: int) -> pl.DataFrame:
     """Each user's history cut from its end into windows of ``max_len + 1`` items (consecutive
     windows share one item, so every item after the first is a next-item target once): the rows

@@ -1,5 +1,5 @@
-"""Ray Data actor pools that hold a trained ranker: the shared part of evaluate,
-build_user_states and the K/V collection of train_kv_pool / analyze_kv."""
+"""Ray Data actor pools that hold a trained model: the shared part of evaluate,
+build_user_states, the K/V collection of train_kv_pool / analyze_kv, and label_teacher."""
 
 from __future__ import annotations
 
@@ -30,9 +30,21 @@ def map_with_rankers(
     batch_size: int,
     extra_args: tuple = (),
 ):
+    """``table`` mapped in numpy batches by a pool of ``actors`` ``actor_cls`` actors, each
+    holding the ranker of ``checkpoint``."""
+    return map_with_pool(
+        table,
+        actor_cls,
+        lambda threads: (checkpoint, vectors_uri, threads, *extra_args),
+        actors=actors,
+        batch_size=batch_size,
+    )
+
+
+def map_with_pool(table: pa.Table, actor_cls: type, args, *, actors: int, batch_size: int):
     """``table`` mapped in numpy batches by a pool of ``actors`` ``actor_cls`` actors sharing
-    the cluster's CPUs (``ray_runtime.cpus_per_actor``); the table is pre-cut into blocks (see
-    ``data.blocks``)."""
+    the cluster's CPUs (``ray_runtime.cpus_per_actor``), built with ``args(threads)``; the
+    table is pre-cut into blocks (see ``data.blocks``)."""
     import ray
 
     from pipelines.ray_runtime import cpus_per_actor, init_ray
@@ -42,7 +54,7 @@ def map_with_rankers(
     ds = ray.data.from_arrow(blocks(table, actors * 4))
     return ds.map_batches(
         actor_cls,
-        fn_constructor_args=(checkpoint, vectors_uri, max(1, int(cpus)), *extra_args),
+        fn_constructor_args=args(max(1, int(cpus))),
         compute=ray.data.ActorPoolStrategy(size=actors),
         batch_size=batch_size,
         batch_format="numpy",

@@ -156,6 +156,24 @@ def local_copy(uri: str) -> Iterator[str]:
         yield local
 
 
+@contextlib.contextmanager
+def local_folder(folder: str) -> Iterator[str]:
+    """A local directory holding the published ``folder`` (every file its marker lists): the
+    folder itself, or a temporary download - for readers that want a directory, such as
+    Hugging Face's ``from_pretrained``."""
+    marker = read_marker(folder)
+    if not is_remote(folder):
+        yield folder.removeprefix("file://")
+        return
+    with tempfile.TemporaryDirectory(prefix="kvrank-") as tmp:
+        for name in marker.get("files", {}):
+            dst = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with open(dst, "wb") as f:
+                f.write(read_bytes(join(folder, name)))
+        yield tmp
+
+
 def read_marker(folder: str) -> dict[str, Any]:
     """The completion marker of a published folder, checked against the files it lists."""
     marker_uri = join(folder, MARKER)

@@ -3,7 +3,8 @@
     python -m pipelines.train_ranker --dataset-uri out/datasets/ml-latest-small \\
         --vectors-uri out/item_vectors/ml-latest-small/minilm-l6-v2-265da472 --out out \\
         [--run NAME]
-        [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text|id]
+        [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text|id|text+id]
+        [--teacher-labels LABELS [--distill-weight 1] [--distill-temperature 1]]
 
 An epoch is every user's history cut into windows of ``--max-len`` + 1 items (each item a
 next-item target once). Each worker of a ``TorchTrainer`` (gloo DDP on CPUs, NCCL on GPUs) reads
@@ -12,7 +13,10 @@ and ``--negatives`` negatives per cut (``models.batches``), and trains the MIS f
 softmax cross-entropy over each cut's candidates (positive first), plus, weighted by
 ``--catalog-weight``, the user token's softmax over the whole catalog for the next item after
 every position of the window, plus the CollectiveKV aux loss when enabled. So training sees
-exactly the attention pattern serving uses.
+exactly the attention pattern serving uses. With ``--teacher-labels`` (``pipelines.label_teacher``)
+the windows, cut points and candidates are the labelled ones instead, and the loss gains
+``--distill-weight`` x KL(teacher || ranker) over each cut's candidates at
+``--distill-temperature``.
 
 After every epoch the workers compute validation NDCG@10 over the full catalog for
 ``--val-users`` users (split across workers, each user's validation item ranked against every
@@ -42,10 +46,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.config import CollectiveKVConfig, RankerConfig
+from models.config import ITEM_INPUTS, CollectiveKVConfig, RankerConfig
 from pipelines import jobs, storage
 from pipelines.data import item_table, training_windows, user_sequences
 from pipelines.sources import InputError
+from pipelines.training import (
+    add_config_args,
+    config_from_args,
+    fit,
+    open_file,
+    out_of_time,
+    resume_point,
+)
 
 log = logging.getLogger("kvrank.train_ranker")
 
@@ -70,6 +82,10 @@ class TrainConfig:
     # (0: off; needs a ranker with a user token). On ml-latest-small it lifts validation
     # NDCG@10 from ~0.02 (sampled negatives alone) to SASRec's level.
     catalog_weight: float = 1.0
+    # distillation (with --teacher-labels): weight of KL(teacher || ranker) over each labelled
+    # cut's candidates, both softmaxed at this temperature (the term is scaled by T^2)
+    distill_weight: float = 1.0
+    distill_temperature: float = 1.0
     patience: int = 4  # epochs without a better validation NDCG@10 before stopping
     val_users: int = 128  # users in the full-catalog validation
     seed: int = 0
@@ -87,6 +103,8 @@ class TrainConfig:
         for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
             if getattr(self, f) <= 0:
                 raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise InputError("--distill-weight must be >= 0 and --distill-temperature > 0")
         if self.catalog_weight < 0:
             raise InputError(f"--catalog-weight must be >= 0, got {self.catalog_weight}")
         if self.max_minutes < 0:
@@ -150,7 +168,7 @@ def train_loop(config: dict) -> None:
     import ray.train.torch
 
     from models.batches import sampling_distribution, training_batch
-    from models.ranker import Ranker, ranking_loss
+    from models.ranker import Ranker, distillation_loss, ranking_loss
 
     tc = TrainConfig(**config["train"])
     rc = RankerConfig.from_dict(config["ranker"])
@@ -160,7 +178,7 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(tc.seed)
     n_items = config["n_items"]
     model = Ranker(rc, n_items=n_items)
-    if rc.item_input == "text":
+    if rc.reads_vectors:
         table, _ = item_table(config["vectors_uri"], n_items)
         model.set_item_table(table)
     start_epoch, best, bad, history = 0, -1.0, 0, []
@@ -169,7 +187,7 @@ def train_loop(config: dict) -> None:
     source = ckpt.path if ckpt else config.get("resume_from")
     if source:
         with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
-            state = torch.load(_open(d, "state.pt"), map_location="cpu", weights_only=False)
+            state = torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=False)
         model.load_state_dict(state["model"], strict=False)
         opt_state = state["optimizer"]
         start_epoch, best, bad, history = (
@@ -179,7 +197,7 @@ def train_loop(config: dict) -> None:
             state["history"],
         )
     elif config.get("init_uri"):
-        init = torch.load(_open(*config["init_uri"].rsplit("/", 1)), map_location="cpu")
+        init = torch.load(open_file(*config["init_uri"].rsplit("/", 1)), map_location="cpu")
         model.load_state_dict(init, strict=True)
     model = ray.train.torch.prepare_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
@@ -194,13 +212,14 @@ def train_loop(config: dict) -> None:
         t0 = time.perf_counter()
         model.train()
         rng = np.random.default_rng([tc.seed, epoch, rank])
-        losses, aux_losses, steps = [], [], 0
+        losses, aux_losses, distill_losses, steps = [], [], [], 0
         for batch in shard.iter_batches(
             batch_size=tc.batch_size,
             batch_format="numpy",
             local_shuffle_buffer_size=4 * tc.batch_size,
             local_shuffle_seed=tc.seed + epoch,
         ):
+            labelled = "teacher_logits" in batch
             tb = training_batch(
                 list(batch["hist"]),
                 list(batch["hist_fb"]),
@@ -210,6 +229,7 @@ def train_loop(config: dict) -> None:
                 cuts=tc.cuts,
                 negatives=tc.negatives,
                 q=q,
+                given=(list(batch["cuts"]), list(batch["candidates"])) if labelled else None,
             )
             h = tb.history
             h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
@@ -221,6 +241,15 @@ def train_loop(config: dict) -> None:
                 loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
                     out.catalog.flatten(0, 1), tb.next_vids.to(dev).flatten(), ignore_index=-100
                 )
+            if labelled and tc.distill_weight > 0:
+                teacher = torch.as_tensor(np.stack(batch["teacher_logits"]), device=dev)
+                kl = distillation_loss(
+                    out.scores.view(-1, 1 + tc.negatives),
+                    teacher.view(-1, 1 + tc.negatives),
+                    tc.distill_temperature,
+                )
+                distill_losses.append(kl.item())
+                loss = loss + tc.distill_weight * kl
             opt.zero_grad(set_to_none=True)
             (loss + out.aux_loss).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -245,6 +274,7 @@ def train_loop(config: dict) -> None:
             "epoch": epoch,
             "loss": loss_sum / max(loss_n, 1),
             "aux_loss": float(np.mean(aux_losses)) if aux_losses else 0.0,
+            "distill_loss": float(np.mean(distill_losses)) if distill_losses else 0.0,
             "val_ndcg10": val_ndcg,
             "val_hr10": hr / max(n, 1),
             "val_users": int(n),
@@ -274,33 +304,11 @@ def train_loop(config: dict) -> None:
                     json.dump(metrics, f)
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report(metrics, checkpoint=checkpoint)
-        out_of_time = torch.tensor(
-            float(tc.max_minutes > 0 and time.perf_counter() - started > 60 * tc.max_minutes)
-        )
-        if world > 1:  # every worker stops after the same epoch
-            torch.distributed.all_reduce(out_of_time, op=torch.distributed.ReduceOp.MAX)
-        if bad >= tc.patience or out_of_time.item():
+        if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
             break
 
 
-def _open(folder: str, name: str):
-    return io.BytesIO(storage.read_bytes(storage.join(folder, name)))
-
-
 # ----------------------------------------------------------------------------- driver side
-
-
-def list_checkpoints(train_root: str) -> list[tuple[str, dict]]:
-    """(folder, metrics) of every checkpoint under ``train_root`` (all attempts), by epoch."""
-    fs, path = storage.filesystem(train_root)
-    try:
-        found = fs.glob(f"{path.rstrip('/')}/*/checkpoint_*/metrics.json")
-    except FileNotFoundError:
-        return []
-    prefix = "s3://" if train_root.startswith("s3://") else ""
-    folders = [prefix + f.rsplit("/", 1)[0] for f in found]
-    entries = [(f, storage.read_json(storage.join(f, "metrics.json"))) for f in folders]
-    return sorted(entries, key=lambda e: e[1]["epoch"])
 
 
 def train(
@@ -313,12 +321,13 @@ def train(
     resume: bool = False,
     init_state: dict | None = None,
     extra_meta: dict | None = None,
+    teacher_labels: str | None = None,
 ) -> dict:
     """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
-    ``extra_meta`` goes into the published checkpoint's marker."""
+    ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
+    label_teacher folder) the epochs run over its labelled examples, with the distillation
+    term."""
     import ray
-    import ray.train
-    from ray.train.torch import TorchTrainer
 
     from pipelines.ray_runtime import init_ray
 
@@ -327,35 +336,26 @@ def train(
     vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
     marker = storage.read_marker(dataset_uri)
     n_items = int(marker["items"])
-    if rc.item_input == "text":
+    if rc.reads_vectors:
         if not vectors_uri:
-            raise InputError("--vectors-uri is required with --item-input text")
+            raise InputError(f"--vectors-uri is required with --item-input {rc.item_input}")
         vmarker = storage.read_marker(vectors_uri)
         if int(vmarker["dim"]) != rc.item_dim:
             rc = dataclasses.replace(rc, item_dim=int(vmarker["dim"]))
     seqs = user_sequences(dataset_uri)
     users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
     # an epoch is every user's history in windows of max_len + 1: each item a target once
-    train_rows = training_windows(users, tc.max_len).sample(
-        fraction=1.0, shuffle=True, seed=tc.seed
-    )
+    if teacher_labels:
+        labels, tc = _labelled_examples(storage.absolute(teacher_labels), dataset_uri, tc)
+        extra_meta = {**(extra_meta or {}), "teacher_labels": storage.absolute(teacher_labels)}
+    else:
+        labels = training_windows(users, tc.max_len)
+    train_rows = labels.sample(fraction=1.0, shuffle=True, seed=tc.seed)
     if train_rows.height == 0:
         raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
     root = checkpoint_uri(out, run)
     train_root = storage.join(root, "train")
-    # Every attempt under a run continues the one before it, so the run's checkpoints form one
-    # history; a second fresh start would mix two trainings when the best epoch is picked.
-    previous = list_checkpoints(train_root)
-    if previous and not resume:
-        raise InputError(
-            f"run {run!r} already has {len(previous)} checkpoint(s) under {train_root}: "
-            "pass --resume to continue it, or choose another --run"
-        )
-    if resume and not previous:
-        raise InputError(f"--resume: no checkpoint under {train_root}")
-    resume_from = previous[-1][0] if resume else None
-    if resume_from:
-        log.info("resuming from %s", resume_from)
+    resume_from = resume_point(train_root, run, resume)
     init_uri = None
     if init_state is not None and not resume:
         init_uri = storage.join(train_root, "init", "model.pt")
@@ -363,9 +363,7 @@ def train(
         torch.save(init_state, buf)
         storage.write_bytes(init_uri, buf.getvalue())
     init_ray()
-    cpus = int(ray.cluster_resources().get("CPU", 1))
     ds = ray.data.from_arrow(train_rows.to_arrow())
-    attempt = f"attempt-{time.strftime('%Y%m%d-%H%M%S')}"
     config = {
         "train": dataclasses.asdict(tc),
         "ranker": rc.to_dict(),
@@ -379,25 +377,6 @@ def train(
             np.concatenate(users["hist"].to_list()), minlength=n_items
         ).tolist(),
     }
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config=config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=tc.workers,
-            use_gpu=tc.use_gpu,
-            resources_per_worker={"CPU": min(1, cpus / (tc.workers + 1))},
-        ),
-        datasets={"train": ds},
-        run_config=ray.train.RunConfig(
-            name=attempt,
-            # Ray Train wants a URI or an absolute path; `--out out` is neither
-            storage_path=train_root
-            if storage.is_remote(train_root)
-            else os.path.abspath(train_root),
-            failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
-        ),
-    )
     log.info(
         "training %s on %d users (%d windows), %d items, %d worker(s)",
         run,
@@ -406,14 +385,19 @@ def train(
         n_items,
         tc.workers,
     )
-    trainer.fit()
-    checkpoints = list_checkpoints(train_root)
-    if not checkpoints:
-        raise RuntimeError(f"training produced no checkpoint under {train_root}")
+    checkpoints = fit(
+        train_loop,
+        config,
+        train_root=train_root,
+        datasets={"train": ds},
+        workers=tc.workers,
+        use_gpu=tc.use_gpu,
+        max_failures=tc.max_failures,
+    )
     history = [metrics for _, metrics in checkpoints]
     last = history[-1]
     best_dir, best = max(checkpoints, key=lambda e: e[1]["val_ndcg10"])
-    state = torch.load(_open(best_dir, "state.pt"), map_location="cpu", weights_only=False)
+    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=False)
     buf = io.BytesIO()
     torch.save(state["model"], buf)
     pub = storage.Publication(root)
@@ -423,6 +407,7 @@ def train(
         "item_input": rc.item_input,
         "users": users.height,
         "windows": train_rows.height,
+        "distilled": bool(teacher_labels),
         "items": n_items,
         "epochs_run": len(history),
         "best_epoch": best["epoch"],
@@ -457,6 +442,34 @@ def train(
     return summary
 
 
+def _labelled_examples(labels_uri: str, dataset_uri: str, tc: TrainConfig):
+    """The rows of a label_teacher folder, and ``tc`` with its cuts and negatives."""
+    import polars as pl
+
+    marker = storage.read_marker(labels_uri)
+    if marker.get("kind") != "teacher_labels":
+        raise InputError(f"{labels_uri} is not a label_teacher output")
+    if marker["dataset_uri"] != dataset_uri:
+        raise InputError(
+            f"{labels_uri} labels {marker['dataset_uri']}, not the dataset {dataset_uri}"
+        )
+    if marker["max_len"] > tc.max_len:
+        raise InputError(
+            f"{labels_uri} has windows of {marker['max_len']} + 1 items; --max-len is {tc.max_len}"
+        )
+    if (marker["cuts"], marker["negatives"]) != (tc.cuts, tc.negatives):
+        log.info(
+            "teacher labels: %d cuts x %d negatives per window (instead of %d x %d)",
+            marker["cuts"],
+            marker["negatives"],
+            tc.cuts,
+            tc.negatives,
+        )
+    tc = dataclasses.replace(tc, cuts=marker["cuts"], negatives=marker["negatives"])
+    table = storage.read_parquet(storage.join(labels_uri, "labels.parquet"))
+    return pl.from_arrow(table), tc
+
+
 def load_checkpoint(uri: str):
     """(Ranker with weights, its marker) from a published checkpoint folder; the caller sets the
     item table for text inputs."""
@@ -465,7 +478,7 @@ def load_checkpoint(uri: str):
     marker = storage.read_marker(uri)
     rc = RankerConfig.from_json(storage.read_bytes(storage.join(uri, "ranker.json")).decode())
     model = Ranker(rc, n_items=int(marker["n_items"]))
-    state = torch.load(_open(uri, "model.pt"), map_location="cpu", weights_only=True)
+    state = torch.load(open_file(uri, "model.pt"), map_location="cpu", weights_only=True)
     model.load_state_dict(state, strict=False)
     return model.eval(), marker
 
@@ -475,7 +488,7 @@ def load_ranker(checkpoint: str, vectors_uri: str | None = None):
     item table comes from ``vectors_uri`` or, by default, the vectors it was trained on."""
     model, marker = load_checkpoint(checkpoint)
     train_cfg = storage.read_json(storage.join(checkpoint, "train.json"))
-    if model.cfg.item_input == "text":
+    if model.cfg.reads_vectors:
         table, _ = item_table(vectors_uri or marker["vectors_uri"], int(marker["n_items"]))
         model.set_item_table(table)
     return model, marker, int(train_cfg["max_len"])
@@ -483,15 +496,11 @@ def load_ranker(checkpoint: str, vectors_uri: str | None = None):
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """One option per TrainConfig field (--epochs, --lr, ...), shared with train_kv_pool."""
-    g = p.add_argument_group("training")
-    for f in dataclasses.fields(TrainConfig):
-        if f.name != "use_gpu":
-            g.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    g.add_argument("--use-gpu", action="store_true")
+    add_config_args(p, TrainConfig, "training")
 
 
 def train_config(a: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
+    return config_from_args(a, TrainConfig)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -509,7 +518,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--resume", action="store_true", help="continue from the run's latest checkpoint"
     )
-    p.add_argument("--item-input", choices=["text", "id"], default="text")
+    p.add_argument(
+        "--teacher-labels",
+        default=None,
+        help="a label_teacher folder: train on its examples with the distillation term",
+    )
+    p.add_argument(
+        "--item-input",
+        choices=ITEM_INPUTS,
+        default="text",
+        help="text: encoder vectors; id: learned id embeddings (the baseline); text+id: encoder "
+        "vectors plus a learned per-item residual",
+    )
     add_train_args(p)
     g = p.add_argument_group("ranker shape (CPU-sized defaults)")
     g.add_argument("--d-model", type=int, default=64)
@@ -530,7 +550,7 @@ def configs_from_args(
     tc = train_config(a)
     ckv = CollectiveKVConfig(pool_size=a.pool_size, user_dim=a.user_dim) if a.pool_size else None
     rc = RankerConfig(
-        item_dim=384 if a.item_input == "text" else a.d_model,
+        item_dim=a.d_model if a.item_input == "id" else 384,
         d_model=a.d_model,
         n_layers=a.n_layers,
         n_heads=a.n_heads,
@@ -553,13 +573,22 @@ def main(argv: list[str] | None = None) -> int:
         rc, tc = configs_from_args(a, int(marker.get("feedback_classes", 5)))
         run = a.run or f"{marker['name']}-{a.item_input}"
         vectors = a.vectors_uri
-        if vectors is None and a.item_input == "text":
+        if vectors is None and a.item_input != "id":
             from models.config import EncoderConfig
             from pipelines.data import vectors_uri
             from pipelines.encode_items import encoder_tag
 
             vectors = vectors_uri(a.out, marker["name"], encoder_tag(EncoderConfig()))
-        return train(a.dataset_uri, vectors, a.out, run, rc, tc, resume=a.resume)
+        return train(
+            a.dataset_uri,
+            vectors,
+            a.out,
+            run,
+            rc,
+            tc,
+            resume=a.resume,
+            teacher_labels=a.teacher_labels,
+        )
 
     return jobs.run(job)
 

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 import torch
 
-from pipelines import encode_items, evaluate, prepare_data, storage, train_ranker
+from pipelines import encode_items, evaluate, prepare_data, storage, train_ranker, training
 from pipelines.data import item_table, training_windows
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
 
@@ -124,7 +124,7 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
     assert [h["epoch"] for h in history] == [0, 1]
     assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
-    assert len(train_ranker.list_checkpoints(storage.join(root, "train"))) == 2
+    assert len(training.list_checkpoints(storage.join(root, "train"))) == 2
     # a fresh start under the same run name would mix two trainings: refused, nothing touched
     capsys.readouterr()
     assert train_ranker.main([*base, "--epochs", "2"]) == 2

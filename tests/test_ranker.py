@@ -50,7 +50,7 @@ def tiny_config(ckv: CollectiveKVConfig | None = None, **kw) -> RankerConfig:
 def tiny_ranker(ckv=None, seed: int = 0, **kw) -> Ranker:
     torch.manual_seed(seed)
     model = Ranker(tiny_config(ckv, **kw), n_items=N_ITEMS).eval()
-    if model.cfg.item_input == "text":
+    if model.cfg.reads_vectors:
         model.set_item_table(torch.randn(N_ITEMS, 16))
     return model
 
@@ -412,6 +412,24 @@ def test_item_id_inputs_learn_an_embedding_per_item():
     out = model(ragged_history(), candidates().clamp(min=0))
     out.scores.sum().backward()
     grad = model.item_emb.weight.grad
+    assert grad[20].abs().sum() > 0 and grad[59].abs().sum() == 0  # 59 is never seen
+
+
+def test_text_plus_id_starts_as_text_and_learns_residuals_of_seen_items_only():
+    text, both = tiny_ranker(None), tiny_ranker(None, item_input="text+id")
+    h, c = ragged_history(), candidates()
+    missing, _ = both.load_state_dict(text.state_dict(), strict=False)
+    assert missing == ["id_residual.weight"]
+    both.set_item_table(text.item_table)
+    # same weights, same table, residuals at zero: the same ranker as text alone
+    assert_close(both.score(both.prefill(h), c), text.score(text.prefill(h), c), atol=ATOL, rtol=0)
+    with torch.no_grad():
+        both.id_residual.weight.normal_(std=0.1)
+    assert_close(both.score(both.prefill(h), c), both.score_reference(h, c), atol=ATOL, rtol=0)
+    assert not torch.allclose(both.score(both.prefill(h), c), text.score(text.prefill(h), c))
+    both.train()
+    both(h, c.clamp(min=0)).scores.sum().backward()
+    grad = both.id_residual.weight.grad
     assert grad[20].abs().sum() > 0 and grad[59].abs().sum() == 0  # 59 is never seen
 
 

@@ -1,0 +1,396 @@
+"""Train the full-text teacher (models.teacher) with Ray Train, on the ranker's examples.
+
+    python -m pipelines.train_teacher --dataset-uri out/datasets/ml-latest-small --out out \\
+        [--run NAME] [--workers 1] [--epochs 4] [--cuts 1] [--negatives 7] [--resume]
+        [--d-model 128] [--n-layers 2] [--max-history 20] [--random-init]
+
+The examples are the ranker's (``models.batches``): every user's history in windows of
+``--max-len`` + 1 items, per window ``--cuts`` cut points, the next item as the positive and
+``--negatives`` uniform negatives. Each candidate is one prompt - the history titles with their
+feedback, then the candidate's title (``models.teacher.build_prompt``) - and the "yes" logits of
+one cut's candidates meet a softmax cross-entropy with the positive first: the ranker's listwise
+loss, so the teacher's scores over a candidate set are a distribution the ranker can be
+distilled towards (``pipelines.label_teacher``, ``train_ranker --teacher-labels``).
+
+After each epoch the workers compute sampled validation NDCG@10 for ``--val-users`` users: the
+validation item among that user's 100 sampled negatives (a full-catalog ranking would be one
+prompt per catalog item and user). Checkpoints, ``--resume``, restarts of failed workers and the
+``--max-minutes`` cap work as in train_ranker. The best epoch is published to
+``<out>/teachers/<run>/``: a Hugging Face directory (config, weights, tokenizer) that
+``TeacherConfig(model_dir=...)`` and vLLM load, plus ``teacher.json`` (the prompt settings),
+``metrics.json`` and ``_SUCCESS.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.config import TeacherConfig
+from pipelines import jobs, storage
+from pipelines.data import item_titles, training_windows, user_sequences
+from pipelines.sources import InputError
+from pipelines.training import (
+    add_config_args,
+    config_from_args,
+    fit,
+    open_file,
+    out_of_time,
+    resume_point,
+)
+
+log = logging.getLogger("kvrank.train_teacher")
+
+
+@dataclass(frozen=True)
+class TeacherTrainConfig:
+    """How to train the teacher; its shape and prompt are the TeacherConfig beside it."""
+
+    epochs: int = 4
+    batch_size: int = 8  # windows per step per worker; prompts = batch * cuts * (1 + negatives)
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    max_len: int = 50  # items per window, as the ranker's
+    cuts: int = 1  # predictions per window per step
+    negatives: int = 7  # uniform negatives per prediction
+    patience: int = 2  # epochs without a better validation NDCG@10 before stopping
+    val_users: int = 64  # users in the sampled validation (101 prompts each)
+    seed: int = 0
+    workers: int = 1
+    use_gpu: bool = False
+    max_failures: int = 2
+    max_minutes: float = 0.0  # wall-clock cap of one attempt (0: none)
+    max_steps: int = 0  # optimizer steps per epoch and worker (0: the whole shard)
+
+    def __post_init__(self) -> None:
+        for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
+            if getattr(self, f) <= 0:
+                raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+        if self.max_minutes < 0 or self.max_steps < 0:
+            raise InputError("--max-minutes and --max-steps must be >= 0")
+
+
+def teacher_uri(out: str, run: str) -> str:
+    return storage.join(out, "teachers", run)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def sampled_ranks(teacher, hist, fb, targets, negatives, titles, batch_size: int) -> np.ndarray:
+    """Rank of each user's target among their sampled negatives (0 = first) by teacher score;
+    ties count against the target."""
+    from models.teacher import examples_for
+
+    ranks = []
+    for h, f, t, negs in zip(hist, fb, targets, negatives, strict=True):
+        row = [int(t), *[int(n) for n in negs]]
+        scores = teacher.score(examples_for(h, f, [len(h)], [row], titles), batch_size)
+        ranks.append(int((scores[1:] >= scores[0]).sum()))
+    return np.asarray(ranks, dtype=np.int64)
+
+
+def _ndcg_hr(ranks: np.ndarray) -> tuple[float, float]:
+    r = ranks.astype(np.float64)
+    return float(np.where(r < 10, 1 / np.log2(r + 2), 0).sum()), float((r < 10).sum())
+
+
+def train_loop(config: dict) -> None:
+    """Runs on every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    from models.batches import sample_candidates, sample_window
+    from models.teacher import TextTeacher, examples_for
+
+    tc = TeacherTrainConfig(**config["train"])
+    mc = TeacherConfig.from_dict(config["teacher"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(config["threads"])
+    torch.manual_seed(tc.seed)
+    teacher = TextTeacher(mc)
+    titles = item_titles(config["dataset_uri"])
+    start_epoch, best, bad, history, opt_state = 0, -1.0, 0, [], None
+    ckpt = ray.train.get_checkpoint()
+    source = ckpt.path if ckpt else config.get("resume_from")
+    if source:
+        with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
+            state = torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=False)
+        teacher.load_state_dict(state["model"])
+        opt_state = state["optimizer"]
+        start_epoch, best, bad, history = (
+            state["epoch"] + 1,
+            state["best"],
+            state["bad"],
+            state["history"],
+        )
+    model = ray.train.torch.prepare_model(teacher)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    if opt_state:
+        opt.load_state_dict(opt_state)
+    val = config["val"]
+    mine = list(range(rank, len(val["valid"]), world))
+    shard = ray.train.get_dataset_shard("train")
+    started = time.perf_counter()
+    for epoch in range(start_epoch, tc.epochs):
+        t0 = time.perf_counter()
+        model.train()
+        rng = np.random.default_rng([tc.seed, epoch, rank])
+        losses, steps = [], 0
+        for batch in shard.iter_batches(
+            batch_size=tc.batch_size,
+            batch_format="numpy",
+            local_shuffle_buffer_size=4 * tc.batch_size,
+            local_shuffle_seed=tc.seed + epoch,
+        ):
+            examples = []
+            for v, f in zip(batch["hist"], batch["hist_fb"], strict=True):
+                wv, wf = sample_window(v, f, rng, tc.max_len)
+                t, cands = sample_candidates(
+                    wv, rng, n_items=len(titles), cuts=tc.cuts, negatives=tc.negatives
+                )
+                examples += examples_for(wv, wf, t, cands, titles)
+            logits = model(teacher.tokenize(teacher.prompts(examples)))
+            logits = logits.view(-1, 1 + tc.negatives)
+            loss = torch.nn.functional.cross_entropy(
+                logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device)
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            steps += 1
+            if steps % 50 == 0 and rank == 0:
+                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(losses)))
+            if steps == tc.max_steps:
+                break
+        train_seconds = time.perf_counter() - t0
+        teacher.eval()
+        ranks = sampled_ranks(
+            teacher,
+            [val["hist"][i][-tc.max_len :] for i in mine],
+            [val["hist_fb"][i][-tc.max_len :] for i in mine],
+            [val["valid"][i] for i in mine],
+            [val["negatives"][i] for i in mine],
+            titles,
+            batch_size=64,
+        )
+        nd, hr = _ndcg_hr(ranks)
+        totals = torch.tensor([nd, hr, len(ranks), sum(losses), len(losses)], dtype=torch.float64)
+        if world > 1:
+            torch.distributed.all_reduce(totals)
+        nd, hr, n, loss_sum, loss_n = totals.tolist()
+        val_ndcg = nd / max(n, 1)
+        improved = val_ndcg > best
+        best, bad = (val_ndcg, 0) if improved else (best, bad + 1)
+        metrics = {
+            "epoch": epoch,
+            "loss": loss_sum / max(loss_n, 1),
+            "val_sampled_ndcg10": val_ndcg,
+            "val_sampled_hr10": hr / max(n, 1),
+            "val_users": int(n),
+            "best_val_sampled_ndcg10": best,
+            "steps": steps,
+            "train_seconds": train_seconds,
+            "epoch_seconds": time.perf_counter() - t0,
+        }
+        history.append(metrics)
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                torch.save(
+                    {
+                        "model": teacher.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "epoch": epoch,
+                        "best": best,
+                        "bad": bad,
+                        "history": history,
+                    },
+                    os.path.join(d, "state.pt"),
+                )
+                with open(os.path.join(d, "metrics.json"), "w") as f:
+                    json.dump(metrics, f)
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=checkpoint)
+        if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
+            break
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+def _validation_users(dataset_uri: str, n: int, seed: int) -> dict:
+    seqs = user_sequences(dataset_uri)
+    seqs = seqs.filter(seqs["hist"].list.len() >= 1)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(seqs.height, size=min(n, seqs.height), replace=False))
+    sub = seqs[pick]
+    return {
+        "hist": sub["hist"].to_list(),
+        "hist_fb": sub["hist_fb"].to_list(),
+        "valid": sub["valid"].to_list(),
+        "negatives": sub["negatives"].to_list(),
+    }
+
+
+def train(
+    dataset_uri: str,
+    out: str,
+    run: str,
+    mc: TeacherConfig,
+    tc: TeacherTrainConfig,
+    resume: bool = False,
+) -> dict:
+    """Train the teacher and publish its best epoch; returns the job summary."""
+    import ray
+
+    from models.teacher import TextTeacher
+    from pipelines.ray_runtime import init_ray
+
+    t0 = time.perf_counter()
+    dataset_uri, out = storage.absolute(dataset_uri), storage.absolute(out)
+    marker = storage.read_marker(dataset_uri)
+    seqs = user_sequences(dataset_uri)
+    users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
+    rows = training_windows(users, tc.max_len).sample(fraction=1.0, shuffle=True, seed=tc.seed)
+    if rows.height == 0:
+        raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
+    root = teacher_uri(out, run)
+    train_root = storage.join(root, "train")
+    resume_from = resume_point(train_root, run, resume)
+    init_ray()
+    config = {
+        "train": dataclasses.asdict(tc),
+        "teacher": mc.to_dict(),
+        "dataset_uri": dataset_uri,
+        "resume_from": resume_from,
+        "threads": max(1, (os.cpu_count() or 1) // tc.workers),
+        "val": _validation_users(dataset_uri, tc.val_users, tc.seed),
+    }
+    log.info(
+        "training teacher %s on %d users (%d windows, %d prompts per epoch), %d worker(s)",
+        run,
+        users.height,
+        rows.height,
+        rows.height * tc.cuts * (1 + tc.negatives),
+        tc.workers,
+    )
+    checkpoints = fit(
+        train_loop,
+        config,
+        train_root=train_root,
+        datasets={"train": ray.data.from_arrow(rows.to_arrow())},
+        workers=tc.workers,
+        use_gpu=tc.use_gpu,
+        max_failures=tc.max_failures,
+    )
+    history = [metrics for _, metrics in checkpoints]
+    best_dir, best = max(checkpoints, key=lambda e: e[1]["val_sampled_ndcg10"])
+    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=False)
+    teacher = TextTeacher(mc)
+    teacher.load_state_dict(state["model"])
+    pub = storage.Publication(root)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvrank-teacher-") as d:
+            teacher.save(d)
+            for name in sorted(os.listdir(d)):
+                with open(os.path.join(d, name), "rb") as f:
+                    pub.put_bytes(name, f.read())
+        # the published folder is the model: loading it needs only the prompt settings
+        prompt = dataclasses.replace(mc, model_dir=None)
+        pub.put_bytes("teacher.json", prompt.to_json().encode())
+        pub.put_bytes("train.json", json.dumps(dataclasses.asdict(tc), indent=2).encode())
+        pub.put_bytes("metrics.json", json.dumps(history, indent=2).encode())
+        pub.publish(
+            {
+                "kind": "teacher_checkpoint",
+                "dataset_uri": dataset_uri,
+                "dataset": marker["name"],
+                "best_epoch": best["epoch"],
+                "val_sampled_ndcg10": best["val_sampled_ndcg10"],
+                "source": best_dir,
+            }
+        )
+    except BaseException:
+        pub.discard()
+        raise
+    return {
+        "job": "train_teacher",
+        "run": run,
+        "users": users.height,
+        "windows": rows.height,
+        "parameters": sum(p.numel() for p in teacher.parameters()),
+        "epochs_run": len(history),
+        "best_epoch": best["epoch"],
+        "val_sampled_ndcg10": round(best["val_sampled_ndcg10"], 4),
+        "val_sampled_hr10": round(best["val_sampled_hr10"], 4),
+        "mean_epoch_seconds": round(float(np.mean([h["epoch_seconds"] for h in history])), 1),
+        "workers": tc.workers,
+        "checkpoint": root,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+@contextlib.contextmanager
+def load_teacher(uri: str):
+    """A published teacher (``<out>/teachers/<run>``) as a ready TextTeacher, in eval mode."""
+    from models.teacher import TextTeacher
+
+    with storage.local_folder(uri) as d:
+        prompt = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
+        yield TextTeacher(dataclasses.replace(prompt, model_dir=d)).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipelines.train_teacher", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--out", required=True, help="the teacher goes to <out>/teachers/<run>/")
+    p.add_argument("--run", default=None, help="run name (default: <dataset>-teacher)")
+    p.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
+    add_config_args(p, TeacherTrainConfig, "training")
+    g = p.add_argument_group("teacher (a small Llama on the MiniLM tokenizer)")
+    base = TeacherConfig()
+    for name in ("d_model", "n_layers", "n_heads", "ffn_dim", "max_length", "max_history"):
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(base, name))
+    g.add_argument(
+        "--random-init",
+        action="store_true",
+        help="random token embeddings instead of the MiniLM ones projected to --d-model",
+    )
+    a = p.parse_args(argv)
+
+    def job() -> dict:
+        marker = storage.read_marker(a.dataset_uri)
+        mc = TeacherConfig(
+            d_model=a.d_model,
+            n_layers=a.n_layers,
+            n_heads=a.n_heads,
+            ffn_dim=a.ffn_dim,
+            max_length=a.max_length,
+            max_history=a.max_history,
+            init_from_encoder=not a.random_init,
+        )
+        tc = config_from_args(a, TeacherTrainConfig)
+        return train(a.dataset_uri, a.out, a.run or f"{marker['name']}-teacher", mc, tc, a.resume)
+
+    return jobs.run(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""What the Ray Train jobs (train_ranker, train_kv_pool, train_teacher) share on the driver side:
+a run's checkpoint history across attempts, the resume rule, and the TorchTrainer they fit.
+
+A run keeps every attempt's checkpoints under ``<out>/<kind>/<run>/train/attempt-*/``; each
+checkpoint folder holds ``state.pt`` (whatever the loop needs to continue) and ``metrics.json``
+(with at least ``epoch``). The best epoch is then published beside ``train/`` by the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pipelines import storage
+from pipelines.sources import InputError
+
+log = logging.getLogger("kvrank.training")
+
+C = TypeVar("C")
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One option per field of the dataclass ``cls`` (--epochs, --lr, ...); booleans are flags
+    that turn a False default on."""
+    g = p.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(f.default, bool):
+            g.add_argument(flag, action="store_true", default=f.default)
+        else:
+            g.add_argument(flag, type=type(f.default), default=f.default)
+
+
+def config_from_args(a: argparse.Namespace, cls: type[C]) -> C:
+    values: dict[str, Any] = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls)}
+    return cls(**values)
+
+
+def open_file(folder: str, name: str) -> io.BytesIO:
+    """A file of a (local or s3://) folder, read whole: torch.load takes it."""
+    return io.BytesIO(storage.read_bytes(storage.join(folder, name)))
+
+
+def list_checkpoints(train_root: str) -> list[tuple[str, dict]]:
+    """(folder, metrics) of every checkpoint under ``train_root`` (all attempts), by epoch."""
+    fs, path = storage.filesystem(train_root)
+    try:
+        found = fs.glob(f"{path.rstrip('/')}/*/checkpoint_*/metrics.json")
+    except FileNotFoundError:
+        return []
+    prefix = "s3://" if train_root.startswith("s3://") else ""
+    folders = [prefix + f.rsplit("/", 1)[0] for f in found]
+    entries = [(f, storage.read_json(storage.join(f, "metrics.json"))) for f in folders]
+    return sorted(entries, key=lambda e: e[1]["epoch"])
+
+
+def resume_point(train_root: str, run: str, resume: bool) -> str | None:
+    """The checkpoint folder to continue from (``resume``), or None for a fresh run.
+
+    Every attempt under a run continues the one before it, so the run's checkpoints form one
+    history; a second fresh start would mix two trainings when the best epoch is picked."""
+    previous = list_checkpoints(train_root)
+    if previous and not resume:
+        raise InputError(
+            f"run {run!r} already has {len(previous)} checkpoint(s) under {train_root}: "
+            "pass --resume to continue it, or choose another --run"
+        )
+    if resume and not previous:
+        raise InputError(f"--resume: no checkpoint under {train_root}")
+    if resume:
+        log.info("resuming from %s", previous[-1][0])
+        return previous[-1][0]
+    return None
+
+
+def fit(
+    loop: Callable[[dict], None],
+    config: dict,
+    *,
+    train_root: str,
+    datasets: dict,
+    workers: int,
+    use_gpu: bool,
+    max_failures: int,
+) -> list[tuple[str, dict]]:
+    """Run ``loop`` on ``workers`` Ray Train workers (a new attempt under ``train_root``) and
+    return the run's checkpoints, all attempts. Failed workers restart from the latest
+    checkpoint up to ``max_failures`` times."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": min(1, cpus / (workers + 1))},
+        ),
+        datasets=datasets,
+        run_config=ray.train.RunConfig(
+            name=f"attempt-{time.strftime('%Y%m%d-%H%M%S')}",
+            # Ray Train wants a URI or an absolute path; `--out out` is neither
+            storage_path=train_root
+            if storage.is_remote(train_root)
+            else os.path.abspath(train_root),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    trainer.fit()
+    checkpoints = list_checkpoints(train_root)
+    if not checkpoints:
+        raise RuntimeError(f"training produced no checkpoint under {train_root}")
+    return checkpoints
+
+
+def out_of_time(started: float, max_minutes: float, world: int) -> bool:
+    """Worker side: whether the wall-clock cap has passed, agreed by all workers (the max), so
+    every worker stops after the same epoch."""
+    import torch
+
+    flag = torch.tensor(float(max_minutes > 0 and time.perf_counter() - started > 60 * max_minutes))
+    if world > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())

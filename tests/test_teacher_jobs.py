@@ -1,0 +1,135 @@
+"""The teacher chain on the tiny dataset, on a real local Ray: train_teacher (with a resume),
+label_teacher, and train_ranker distilling from the labels."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from torch.testing import assert_close
+
+from models.batches import training_batch
+from models.ranker import distillation_loss
+from pipelines import label_teacher, storage, train_ranker, train_teacher
+from pipelines.data import item_titles, user_sequences
+from tests.tiny import TINY_SHAPE, run_json
+
+# a teacher of a few CPU-seconds: head size 64, short prompts
+TINY_TEACHER = ["--d-model", "64", "--n-heads", "1", "--ffn-dim", "64", "--max-length", "96"]
+TINY_TEACHER += ["--max-history", "5", "--batch-size", "4", "--negatives", "3", "--val-users", "8"]
+TINY_TEACHER += ["--max-len", "10", "--max-steps", "3"]
+
+
+def test_distillation_loss_is_the_tempered_kl_to_the_teacher():
+    teacher = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]])
+    assert float(distillation_loss(teacher, teacher)) == pytest.approx(0.0, abs=1e-7)
+    assert float(distillation_loss(teacher + 3.0, teacher)) == pytest.approx(0.0, abs=1e-6)
+    scores = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]], requires_grad=True)
+    for t in (1.0, 2.0):
+        p = torch.softmax(teacher / t, -1)
+        q = torch.softmax(scores.detach() / t, -1)
+        expected = (p * (p / q).log()).sum(-1).mean() * t * t
+        assert_close(distillation_loss(scores, teacher, t), expected)
+    distillation_loss(scores, teacher).backward()
+    # the gradient lowers the candidate the teacher likes less than the ranker does
+    assert scores.grad[0, 1] > 0 and scores.grad[0, 0] < 0
+
+
+def test_training_batch_takes_labelled_cuts_and_candidates_as_given():
+    window = np.array([5, 6, 7, 8])
+    cuts, cands = np.array([1, 3]), np.array([6, 1, 2, 8, 3, 4])
+    tb = training_batch(
+        [window],
+        [np.zeros(4, dtype=np.int64)],
+        np.random.default_rng(0),
+        n_items=10,
+        max_len=5,
+        cuts=2,
+        negatives=2,
+        given=([cuts], [cands]),
+    )
+    assert tb.candidates.tolist() == [cands.tolist()]
+    assert tb.cut.tolist() == [[1, 1, 1, 3, 3, 3]]
+    assert tb.history.vids.tolist() == [[5, 6, 7]]  # the whole window but its last item
+    with pytest.raises(ValueError, match="do not fit a window of 4"):
+        training_batch(
+            [window],
+            [np.zeros(4, dtype=np.int64)],
+            np.random.default_rng(0),
+            n_items=10,
+            max_len=5,
+            cuts=2,
+            negatives=2,
+            given=([np.array([1, 4])], [cands]),
+        )
+
+
+def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
+    out, ds = tiny["out"], tiny["dataset"]
+    base = ["--dataset-uri", ds, "--out", out, "--run", "t", *TINY_TEACHER]
+    first = run_json(capsys, train_teacher.main, [*base, "--epochs", "1"])
+    assert first["epochs_run"] == 1 and first["parameters"] > 0
+    resumed = run_json(capsys, train_teacher.main, [*base, "--epochs", "2", "--resume"])
+    assert (resumed["epochs_run"], resumed["best_epoch"] in (0, 1)) == (2, True)
+    root = train_teacher.teacher_uri(out, "t")
+    marker = storage.read_marker(root)
+    assert marker["kind"] == "teacher_checkpoint"
+    # a Hugging Face directory: config, weights and tokenizer, plus the prompt settings
+    assert {"config.json", "teacher.json", "tokenizer.json"} <= set(marker["files"])
+    assert any(name.endswith(".safetensors") for name in marker["files"])
+    history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
+    assert [h["epoch"] for h in history] == [0, 1] and history[0]["val_users"] == 8
+
+    labels = run_json(
+        capsys,
+        label_teacher.main,
+        ["--dataset-uri", ds, "--teacher", root, "--out", out, "--cuts", "2"]
+        + ["--negatives", "3", "--max-len", "10", "--actors", "1"],
+    )
+    table = pl.from_arrow(
+        storage.read_parquet(storage.join(labels["labels"], "labels.parquet"))
+    ).sort("user_id", maintain_order=True)
+    seqs = user_sequences(ds)
+    assert labels["rows"] == table.height == seqs.height  # 7-item histories: one window each
+    assert labels["prompts"] == table.height * 8
+    for row in table.iter_rows(named=True):
+        window, cuts, cands = row["hist"], row["cuts"], np.reshape(row["candidates"], (2, 4))
+        assert len(row["teacher_logits"]) == 8 and all(1 <= t < len(window) for t in cuts)
+        assert [window[t] for t in cuts] == cands[:, 0].tolist()  # the positive first
+    # the stored logits are the teacher's scores of those prompts, recomputed here
+    from models.teacher import examples_for
+
+    row = table.row(0, named=True)
+    with train_teacher.load_teacher(root) as teacher:
+        again = teacher.score(
+            examples_for(
+                row["hist"],
+                row["hist_fb"],
+                row["cuts"],
+                np.reshape(row["candidates"], (2, 4)),
+                item_titles(ds),
+            )
+        )
+    assert_close(again, torch.tensor(row["teacher_logits"]), atol=1e-4, rtol=0)
+
+    distilled = run_json(
+        capsys,
+        train_ranker.main,
+        ["--dataset-uri", ds, "--out", out, "--run", "d", "--item-input", "id"]
+        + ["--teacher-labels", labels["labels"], "--epochs", "1", *TINY_SHAPE],
+    )
+    assert distilled["distilled"] and distilled["windows"] == table.height
+    ckpt = train_ranker.checkpoint_uri(out, "d")
+    assert storage.read_marker(ckpt)["teacher_labels"] == labels["labels"]
+    metrics = json.loads(storage.read_bytes(storage.join(ckpt, "metrics.json")))
+    assert metrics[0]["distill_loss"] > 0
+
+    # a folder that is not a labels folder is refused before any training, naming it
+    capsys.readouterr()
+    bad = ["--dataset-uri", ds, "--out", out, "--run", "x", "--item-input", "id"]
+    assert train_ranker.main([*bad, "--teacher-labels", root]) == 2
+    assert f"{root} is not a label_teacher output" in capsys.readouterr().err
+    assert not storage.exists(train_ranker.checkpoint_uri(out, "x"))
