@@ -2,7 +2,8 @@
 
     python -m pipelines.evaluate --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
-        [--id-checkpoint out/checkpoints/ml-latest-small-id] [--max-users N] [--report NAME]
+        [--id-checkpoint out/checkpoints/ml-latest-small-id] [--teacher out/teachers/RUN]
+        [--max-users N] [--report NAME]
 
 Protocol (fixed by prepare_data): each user's history plus validation item is the input; the
 test item is ranked (a) against the full catalog minus the items already in that input, and
@@ -12,6 +13,8 @@ test item is ranked (a) against the full catalog minus the items already in that
 - ``ranker_id``: the same ranker trained with learned item-id embeddings (``--id-checkpoint``),
   which shows what the text encoder adds;
 - ``most_popular``: items ranked by interaction count in the users' inputs;
+- with ``--teacher``: a published text teacher (train_teacher), on the sampled protocol only
+  (a full-catalog ranking by the teacher is one prompt per catalog item and user);
 - with ``--user-states``: ``ranker`` is scored from the stored CollectiveKV states (read back,
   expanded, MIS - exactly the serving path, no fresh prefill), and ``uncompressed`` is the
   ranker its pools were fitted to, so the table shows what the compression costs.
@@ -164,6 +167,36 @@ def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
     return buf.getvalue()
 
 
+class TeacherRanks:
+    """Ray Data callable class: rank of each user's test item among their sampled negatives,
+    by a published teacher."""
+
+    def __init__(self, teacher: str, dataset_uri: str, threads: int) -> None:
+        import torch
+
+        from pipelines.data import item_titles
+        from pipelines.train_teacher import load_teacher
+
+        torch.set_num_threads(max(1, threads))
+        with load_teacher(teacher) as loaded:
+            self.teacher = loaded
+        self.titles = item_titles(dataset_uri)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from pipelines.train_teacher import sampled_ranks
+
+        ranks = sampled_ranks(
+            self.teacher,
+            list(batch["input"]),
+            list(batch["input_fb"]),
+            list(batch["test"]),
+            list(batch["negatives"]),
+            self.titles,
+            batch_size=128,
+        )
+        return {"user_id": batch["user_id"], "sampled_rank": ranks}
+
+
 def evaluate(
     dataset_uri: str,
     checkpoint: str | None,
@@ -176,6 +209,7 @@ def evaluate(
     report: str | None = None,
     actors: int = 2,
     seed: int = 0,
+    teacher: str | None = None,
 ) -> dict:
     import ray
 
@@ -253,6 +287,23 @@ def evaluate(
         }
         for m in names
     }
+    if teacher:
+        from pipelines.ranker_actors import map_with_pool
+
+        teacher = storage.absolute(teacher)
+        log.info("scoring %d users with the teacher (%s), sampled only", users.height, teacher)
+        res = map_with_pool(
+            users.select("user_id", "input", "input_fb", "test", "negatives").to_arrow(),
+            TeacherRanks,
+            lambda threads: (teacher, dataset_uri, threads),
+            actors=actors,
+            batch_size=8,
+        )
+        ranks = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs())))
+        per_user = per_user.join(
+            ranks.rename({"sampled_rank": "teacher_sampled_rank"}), on="user_id", how="left"
+        )
+        metrics["teacher"] = {"sampled": summarize(per_user["teacher_sampled_rank"].to_numpy())}
     report = report or (
         user_states.rstrip("/").rsplit("/", 1)[-1] + "-states"
         if user_states
@@ -266,8 +317,9 @@ def evaluate(
         "items": n_items,
         **{
             f"{m}_{p}_{k}": round(v, 4)
-            for m in names
+            for m in metrics
             for p in ("full", "sampled")
+            if p in metrics[m]
             for k, v in metrics[m][p].items()
         },
         "report": target,
@@ -281,6 +333,7 @@ def evaluate(
                     "dataset_uri": dataset_uri,
                     "checkpoint": checkpoint,
                     "id_checkpoint": id_checkpoint,
+                    "teacher": teacher,
                     "user_states": user_states,
                     "users": users.height,
                     "sampled_users": bool(max_users),
@@ -323,9 +376,13 @@ def metrics_table(dataset: str, users: int, metrics: dict) -> str:
         f"{'NDCG@10 (100 neg)':>18} {'HR@10 (100 neg)':>16}",
     ]
     for m, v in metrics.items():
+        full = (
+            f"{v['full']['ndcg10']:>9.4f} {v['full']['hr10']:>7.4f}"
+            if "full" in v
+            else f"{'-':>9} {'-':>7}"
+        )
         lines.append(
-            f"{m:<14} {v['full']['ndcg10']:>9.4f} {v['full']['hr10']:>7.4f} "
-            f"{v['sampled']['ndcg10']:>18.4f} {v['sampled']['hr10']:>16.4f}"
+            f"{m:<14} {full} {v['sampled']['ndcg10']:>18.4f} {v['sampled']['hr10']:>16.4f}"
         )
     return "\n".join(lines)
 
@@ -345,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", required=True, help="output root; the report goes to <out>/reports/<name>/"
     )
     p.add_argument("--id-checkpoint", help="the item-id baseline's checkpoint")
+    p.add_argument("--teacher", help="a published teacher (train_teacher): sampled metrics")
     p.add_argument(
         "--vectors-uri", help="item vectors (default: the ones the checkpoint was trained on)"
     )
@@ -363,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             max_users=a.max_users,
             report=a.report,
             actors=a.actors,
+            teacher=a.teacher,
         )
     )
 

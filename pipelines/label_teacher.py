@@ -42,8 +42,8 @@ class TeacherLabeler:
         from pipelines.train_teacher import load_teacher
 
         torch.set_num_threads(max(1, threads))
-        self._ctx = load_teacher(teacher)
-        self.teacher = self._ctx.__enter__()
+        with load_teacher(teacher) as loaded:  # weights in memory; a download may go
+            self.teacher = loaded
         self.titles = item_titles(dataset_uri)
         self.batch_size = batch_size
 

@@ -114,6 +114,7 @@ def train_loop(config: dict) -> None:
     from models.batches import sample_candidates, sample_window
     from models.teacher import TextTeacher, examples_for
 
+    jobs.setup_logging()  # the step progress lines below, from this worker process
     tc = TeacherTrainConfig(**config["train"])
     mc = TeacherConfig.from_dict(config["teacher"])
     ctx = ray.train.get_context()

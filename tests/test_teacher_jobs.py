@@ -127,6 +127,21 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     metrics = json.loads(storage.read_bytes(storage.join(ckpt, "metrics.json")))
     assert metrics[0]["distill_loss"] > 0
 
+    # the report puts the teacher beside the ranker, on the sampled protocol only
+    from pipelines import evaluate
+
+    ev = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--out", out, "--checkpoint", ckpt, "--teacher", root]
+        + ["--actors", "1"],
+    )
+    assert 0 <= ev["teacher_sampled_ndcg10"] <= ev["teacher_sampled_hr10"] <= 1
+    assert "teacher_full_ndcg10" not in ev
+    per_user = pl.from_arrow(storage.read_parquet(storage.join(ev["report"], "per_user.parquet")))
+    ranks = per_user["teacher_sampled_rank"].to_numpy()
+    assert len(ranks) == seqs.height and ranks.min() >= 0 and ranks.max() <= 10  # 10 negatives
+
     # a folder that is not a labels folder is refused before any training, naming it
     capsys.readouterr()
     bad = ["--dataset-uri", ds, "--out", out, "--run", "x", "--item-input", "id"]
