@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     import polars as pl
 
     from pipelines import build_user_states, states, storage, train_kv_pool
+    from pipelines.data import load_ranker
     from pipelines.evaluate import eval_users
-    from pipelines.train_ranker import TrainConfig, load_ranker
+    from pipelines.train_ranker import TrainConfig
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_sweep")
     p.add_argument("--dataset-uri", required=True)

@@ -154,8 +154,8 @@ def analyze(
 ) -> dict:
     import torch
 
+    from pipelines.data import load_checkpoint
     from pipelines.train_kv_pool import collect_kv_inputs
-    from pipelines.train_ranker import load_checkpoint
 
     t0 = time.perf_counter()
     dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)

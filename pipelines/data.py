@@ -1,9 +1,12 @@
-"""Published datasets and item vectors, read into the forms the models use (vid space).
+"""Published datasets, item vectors and ranker checkpoints, read into the forms the models use
+(vid space).
 
 No Ray here: the jobs wrap these readers in Ray Data where the work is distributed.
 """
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import polars as pl
@@ -111,3 +114,32 @@ def blocks(table: pa.Table, n: int) -> list[pa.Table]:
     share out without a repartition task (which would need a CPU the actors already hold)."""
     step = max(1, -(-table.num_rows // max(1, n)))
     return [table.slice(i, step) for i in range(0, table.num_rows, step)]
+
+
+def load_checkpoint(uri: str):
+    """(Ranker with weights, its marker) from a published checkpoint folder; the caller sets the
+    item table for text inputs."""
+    from models.config import RankerConfig
+    from models.ranker import Ranker
+
+    marker = storage.read_marker(uri)
+    rc = RankerConfig.from_json(storage.read_bytes(storage.join(uri, "ranker.json")).decode())
+    model = Ranker(rc, n_items=int(marker["n_items"]))
+    state = torch.load(
+        io.BytesIO(storage.read_bytes(storage.join(uri, "model.pt"))),
+        map_location="cpu",
+        weights_only=True,
+    )
+    model.load_state_dict(state, strict=False)
+    return model.eval(), marker
+
+
+def load_ranker(checkpoint: str, vectors_uri: str | None = None):
+    """(Ranker ready to score, checkpoint marker, max history length it was trained with): the
+    item table comes from ``vectors_uri`` or, by default, the vectors it was trained on."""
+    model, marker = load_checkpoint(checkpoint)
+    train_cfg = storage.read_json(storage.join(checkpoint, "train.json"))
+    if model.cfg.reads_vectors:
+        table, _ = item_table(vectors_uri or marker["vectors_uri"], int(marker["n_items"]))
+        model.set_item_table(table)
+    return model, marker, int(train_cfg["max_len"])

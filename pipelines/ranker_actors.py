@@ -14,7 +14,7 @@ class RankerActor:
     def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
         import torch
 
-        from pipelines.train_ranker import load_ranker
+        from pipelines.data import load_ranker
 
         torch.set_num_threads(max(1, threads))
         self.model, self.marker, self.max_len = load_ranker(checkpoint, vectors_uri)

@@ -122,7 +122,8 @@ def fit(
 
     from models.collective_kv import compression_ratio, init_from_projections
     from models.ranker import Ranker
-    from pipelines.train_ranker import load_checkpoint, train
+    from pipelines.data import load_checkpoint
+    from pipelines.train_ranker import train
 
     t0 = time.perf_counter()
     dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)

@@ -170,6 +170,7 @@ def train_loop(config: dict) -> None:
     from models.batches import sampling_distribution, training_batch
     from models.ranker import Ranker, distillation_loss, ranking_loss
 
+    jobs.setup_logging()  # this worker's progress lines
     tc = TrainConfig(**config["train"])
     rc = RankerConfig.from_dict(config["ranker"])
     ctx = ray.train.get_context()
@@ -257,6 +258,8 @@ def train_loop(config: dict) -> None:
             losses.append(loss.item())
             aux_losses.append(float(out.aux_loss))
             steps += 1
+            if rank == 0 and steps % 200 == 0:  # progress within long epochs
+                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(losses)))
             if steps == tc.max_steps:  # every worker stops at the same count (DDP stays paired)
                 break
         train_seconds = time.perf_counter() - t0
@@ -468,30 +471,6 @@ def _labelled_examples(labels_uri: str, dataset_uri: str, tc: TrainConfig):
     tc = dataclasses.replace(tc, cuts=marker["cuts"], negatives=marker["negatives"])
     table = storage.read_parquet(storage.join(labels_uri, "labels.parquet"))
     return pl.from_arrow(table), tc
-
-
-def load_checkpoint(uri: str):
-    """(Ranker with weights, its marker) from a published checkpoint folder; the caller sets the
-    item table for text inputs."""
-    from models.ranker import Ranker
-
-    marker = storage.read_marker(uri)
-    rc = RankerConfig.from_json(storage.read_bytes(storage.join(uri, "ranker.json")).decode())
-    model = Ranker(rc, n_items=int(marker["n_items"]))
-    state = torch.load(open_file(uri, "model.pt"), map_location="cpu", weights_only=True)
-    model.load_state_dict(state, strict=False)
-    return model.eval(), marker
-
-
-def load_ranker(checkpoint: str, vectors_uri: str | None = None):
-    """(Ranker ready to score, checkpoint marker, max history length it was trained with): the
-    item table comes from ``vectors_uri`` or, by default, the vectors it was trained on."""
-    model, marker = load_checkpoint(checkpoint)
-    train_cfg = storage.read_json(storage.join(checkpoint, "train.json"))
-    if model.cfg.reads_vectors:
-        table, _ = item_table(vectors_uri or marker["vectors_uri"], int(marker["n_items"]))
-        model.set_item_table(table)
-    return model, marker, int(train_cfg["max_len"])
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ Row = dict  # one user's state row (pipelines.states format)
 
 class RankEngine:
     def __init__(self, manifest_uri: str, device: str = "cpu") -> None:
-        from pipelines.train_ranker import load_ranker
+        from pipelines.data import load_ranker
 
         self.manifest = storage.read_marker(manifest_uri)
         if self.manifest.get("kind") != "user_states":

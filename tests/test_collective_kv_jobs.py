@@ -19,6 +19,7 @@ from models.ranker import History, Ranker
 from pipelines import (
     analyze_kv,
     build_user_states,
+    data,
     evaluate,
     states,
     storage,
@@ -138,7 +139,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
     assert [m["steps"] for m in history] == [2]
     # k-means over the sampled keys fits them better than the bias-free router's choice
     assert 0 <= fit["layer0_k_kmeans_rel_error"] <= fit["layer0_k_router_rel_error"]
-    model, marker = train_ranker.load_checkpoint(fit["checkpoint"])
+    model, marker = data.load_checkpoint(fit["checkpoint"])
     assert model.cfg.collective_kv.user_dim == 2 and marker["base_checkpoint"] == base["checkpoint"]
 
     built = run_json(

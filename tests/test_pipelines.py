@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 import torch
 
-from pipelines import encode_items, evaluate, prepare_data, storage, train_ranker, training
+from pipelines import data, encode_items, evaluate, prepare_data, storage, train_ranker, training
 from pipelines.data import item_table, training_windows
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
 
@@ -135,7 +135,7 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
     history2 = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
     assert history2[:2] == history  # the first two epochs are carried over, not redone
-    model, _ = train_ranker.load_checkpoint(root)
+    model, _ = data.load_checkpoint(root)
     assert model.cfg.d_model == 32
 
 

@@ -117,7 +117,7 @@ def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
     Data actor pools run on the cluster, and the stored states are what the evaluation reads."""
     from models.collective_kv import state_bytes_per_token
     from models.config import CollectiveKVConfig
-    from pipelines import build_user_states, train_ranker
+    from pipelines import build_user_states, data
     from tests.test_teacher_jobs import TINY_TEACHER
     from tests.tiny import (
         N_USERS,
@@ -179,7 +179,7 @@ def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
         ),
         "build_user_states",
     )
-    model, _ = train_ranker.load_checkpoint(fit["checkpoint"])
+    model, _ = data.load_checkpoint(fit["checkpoint"])
     ckv = model.cfg.collective_kv
     assert ckv == CollectiveKVConfig(pool_size=16, user_dim=2, share_v=False)
     per_token = state_bytes_per_token(ckv, 2, model.cfg.kv_width)
