@@ -410,7 +410,7 @@ def train(
         "item_input": rc.item_input,
         "users": users.height,
         "windows": train_rows.height,
-        "distilled": bool(teacher_labels),
+        "distilled": bool(teacher_labels) and tc.distill_weight > 0,
         "items": n_items,
         "epochs_run": len(history),
         "best_epoch": best["epoch"],
