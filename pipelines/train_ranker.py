@@ -51,6 +51,7 @@ from pipelines import jobs, storage
 from pipelines.data import item_table, training_windows, user_sequences
 from pipelines.sources import InputError
 from pipelines.training import (
+    BaseTrainConfig,
     add_config_args,
     config_from_args,
     fit,
@@ -63,16 +64,9 @@ log = logging.getLogger("kvrank.train_ranker")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(BaseTrainConfig):
     """How to train; the model's shape is the RankerConfig beside it."""
 
-    epochs: int = 30
-    batch_size: int = 32  # history windows per step per worker
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    max_len: int = 50  # history items per training window; serving reads this many
-    cuts: int = 4  # sampled-candidate predictions per window per step (one shared prefill)
-    negatives: int = 31  # sampled negatives per prediction
     # negatives ~ (count + 1) ** alpha with the logQ correction; 0 = uniform. On ml-latest-small
     # at a few CPU-minutes of training, uniform gave validation NDCG@10 ~0.02 and alpha 0.75
     # ~0.005: a text-only ranker must first learn popularity from text before the corrected
@@ -86,31 +80,13 @@ class TrainConfig:
     # cut's candidates, both softmaxed at this temperature (the term is scaled by T^2)
     distill_weight: float = 1.0
     distill_temperature: float = 1.0
-    patience: int = 4  # epochs without a better validation NDCG@10 before stopping
-    val_users: int = 128  # users in the full-catalog validation
-    seed: int = 0
-    workers: int = 1
-    use_gpu: bool = False
-    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
-    # wall-clock cap of one attempt, in minutes (0: none): training stops after the epoch that
-    # crosses it, like the capped reference runs the quality targets are set against
-    max_minutes: float = 0.0
-    # optimizer steps per epoch and worker (0: the whole shard): a short fine-tune on a large
-    # dataset, e.g. each configuration of the CollectiveKV sweep on amazon-videogames-2018
-    max_steps: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
-            if getattr(self, f) <= 0:
-                raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+        super().__post_init__()
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise InputError("--distill-weight must be >= 0 and --distill-temperature > 0")
         if self.catalog_weight < 0:
             raise InputError(f"--catalog-weight must be >= 0, got {self.catalog_weight}")
-        if self.max_minutes < 0:
-            raise InputError(f"--max-minutes must be >= 0, got {self.max_minutes}")
-        if self.max_steps < 0:
-            raise InputError(f"--max-steps must be >= 0, got {self.max_steps}")
 
 
 def checkpoint_uri(out: str, run: str) -> str:

@@ -42,6 +42,7 @@ from pipelines import jobs, storage
 from pipelines.data import item_titles, training_windows, user_sequences
 from pipelines.sources import InputError
 from pipelines.training import (
+    BaseTrainConfig,
     add_config_args,
     config_from_args,
     fit,
@@ -54,31 +55,17 @@ log = logging.getLogger("kvrank.train_teacher")
 
 
 @dataclass(frozen=True)
-class TeacherTrainConfig:
-    """How to train the teacher; its shape and prompt are the TeacherConfig beside it."""
+class TeacherTrainConfig(BaseTrainConfig):
+    """How to train the teacher (the shared options, the teacher's defaults); its shape and
+    prompt are the TeacherConfig beside it."""
 
     epochs: int = 4
     batch_size: int = 8  # windows per step per worker; prompts = batch * cuts * (1 + negatives)
     lr: float = 5e-4
-    weight_decay: float = 0.0
-    max_len: int = 50  # items per window, as the ranker's
-    cuts: int = 1  # predictions per window per step
-    negatives: int = 7  # uniform negatives per prediction
-    patience: int = 2  # epochs without a better validation NDCG@10 before stopping
+    cuts: int = 1
+    negatives: int = 7  # uniform
+    patience: int = 2
     val_users: int = 64  # users in the sampled validation (101 prompts each)
-    seed: int = 0
-    workers: int = 1
-    use_gpu: bool = False
-    max_failures: int = 2
-    max_minutes: float = 0.0  # wall-clock cap of one attempt (0: none)
-    max_steps: int = 0  # optimizer steps per epoch and worker (0: the whole shard)
-
-    def __post_init__(self) -> None:
-        for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
-            if getattr(self, f) <= 0:
-                raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
-        if self.max_minutes < 0 or self.max_steps < 0:
-            raise InputError("--max-minutes and --max-steps must be >= 0")
 
 
 def teacher_uri(out: str, run: str) -> str:

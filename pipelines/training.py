@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pipelines import storage
@@ -23,6 +24,41 @@ from pipelines.sources import InputError
 log = logging.getLogger("kvrank.training")
 
 C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class BaseTrainConfig:
+    """How a training job runs: train_ranker's TrainConfig and train_teacher's
+    TeacherTrainConfig add their losses' options (and their own defaults) to these."""
+
+    epochs: int = 30
+    batch_size: int = 32  # history windows per step per worker
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_len: int = 50  # history items per training window; serving reads this many
+    cuts: int = 4  # predictions per window per step (one shared prefill in the ranker)
+    negatives: int = 31  # sampled negatives per prediction
+    patience: int = 4  # epochs without a better validation NDCG@10 before stopping
+    val_users: int = 128  # users in the validation
+    seed: int = 0
+    workers: int = 1
+    use_gpu: bool = False
+    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
+    # wall-clock cap of one attempt, in minutes (0: none): training stops after the epoch that
+    # crosses it, like the capped reference runs the quality targets are set against
+    max_minutes: float = 0.0
+    # optimizer steps per epoch and worker (0: the whole shard): a short fine-tune on a large
+    # dataset, e.g. each configuration of the CollectiveKV sweep on amazon-videogames-2018
+    max_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
+            if getattr(self, f) <= 0:
+                raise InputError(f"--{f.replace('_', '-')} must be > 0, got {getattr(self, f)}")
+        if self.max_minutes < 0:
+            raise InputError(f"--max-minutes must be >= 0, got {self.max_minutes}")
+        if self.max_steps < 0:
+            raise InputError(f"--max-steps must be >= 0, got {self.max_steps}")
 
 
 def add_config_args(p: argparse.ArgumentParser, cls: type, title: str) -> None:

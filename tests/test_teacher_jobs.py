@@ -39,23 +39,10 @@ def test_distillation_loss_is_the_tempered_kl_to_the_teacher():
 
 
 def test_training_batch_takes_labelled_cuts_and_candidates_as_given():
-    window = np.array([5, 6, 7, 8])
-    cuts, cands = np.array([1, 3]), np.array([6, 1, 2, 8, 3, 4])
-    tb = training_batch(
-        [window],
-        [np.zeros(4, dtype=np.int64)],
-        np.random.default_rng(0),
-        n_items=10,
-        max_len=5,
-        cuts=2,
-        negatives=2,
-        given=([cuts], [cands]),
-    )
-    assert tb.candidates.tolist() == [cands.tolist()]
-    assert tb.cut.tolist() == [[1, 1, 1, 3, 3, 3]]
-    assert tb.history.vids.tolist() == [[5, 6, 7]]  # the whole window but its last item
-    with pytest.raises(ValueError, match="do not fit a window of 4"):
-        training_batch(
+    window, cands = np.array([5, 6, 7, 8]), np.array([6, 1, 2, 8, 3, 4])
+
+    def batch(cuts):
+        return training_batch(
             [window],
             [np.zeros(4, dtype=np.int64)],
             np.random.default_rng(0),
@@ -63,8 +50,15 @@ def test_training_batch_takes_labelled_cuts_and_candidates_as_given():
             max_len=5,
             cuts=2,
             negatives=2,
-            given=([np.array([1, 4])], [cands]),
+            given=([np.array(cuts)], [cands]),
         )
+
+    tb = batch([1, 3])
+    assert tb.candidates.tolist() == [cands.tolist()]
+    assert tb.cut.tolist() == [[1, 1, 1, 3, 3, 3]]
+    assert tb.history.vids.tolist() == [[5, 6, 7]]  # the whole window but its last item
+    with pytest.raises(ValueError, match="do not fit a window of 4"):
+        batch([1, 4])
 
 
 def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
