@@ -32,14 +32,12 @@ the best epoch - the checkpoint the other jobs load.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import io
 import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -53,10 +51,14 @@ from pipelines.sources import InputError
 from pipelines.training import (
     BaseTrainConfig,
     add_config_args,
+    all_sum,
     config_from_args,
     fit,
     open_file,
     out_of_time,
+    progress,
+    report_epoch,
+    restored_state,
     resume_point,
 )
 
@@ -158,28 +160,17 @@ def train_loop(config: dict) -> None:
     if rc.reads_vectors:
         table, _ = item_table(config["vectors_uri"], n_items)
         model.set_item_table(table)
-    start_epoch, best, bad, history = 0, -1.0, 0, []
-    opt_state = None
-    ckpt = ray.train.get_checkpoint()
-    source = ckpt.path if ckpt else config.get("resume_from")
-    if source:
-        with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
-            state = torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=False)
+    state = restored_state(config)
+    start_epoch, best, bad, history = progress(state)
+    if state is not None:
         model.load_state_dict(state["model"], strict=False)
-        opt_state = state["optimizer"]
-        start_epoch, best, bad, history = (
-            state["epoch"] + 1,
-            state["best"],
-            state["bad"],
-            state["history"],
-        )
     elif config.get("init_uri"):
         init = torch.load(open_file(*config["init_uri"].rsplit("/", 1)), map_location="cpu")
         model.load_state_dict(init, strict=True)
     model = ray.train.torch.prepare_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    if opt_state:
-        opt.load_state_dict(opt_state)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
     val = _load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
     q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
     shard = ray.train.get_dataset_shard("train")
@@ -242,13 +233,9 @@ def train_loop(config: dict) -> None:
         nd, hr, n = (
             _validate(model, val, n_items, tc.max_len, rank, world) if val else (0.0, 0.0, 0)
         )
-        totals = torch.tensor([nd, hr, n, sum(losses), len(losses)], dtype=torch.float64)
-        if world > 1:
-            torch.distributed.all_reduce(totals)
-        nd, hr, n, loss_sum, loss_n = totals.tolist()
+        nd, hr, n, loss_sum, loss_n = all_sum([nd, hr, n, sum(losses), len(losses)], world)
         val_ndcg = nd / max(n, 1)
-        improved = val_ndcg > best
-        best, bad = (val_ndcg, 0) if improved else (best, bad + 1)
+        best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
         metrics = {
             "epoch": epoch,
             "loss": loss_sum / max(loss_n, 1),
@@ -263,26 +250,15 @@ def train_loop(config: dict) -> None:
             "epoch_seconds": time.perf_counter() - t0,
         }
         history.append(metrics)
-        with tempfile.TemporaryDirectory() as d:
-            checkpoint = None
-            if rank == 0:
-                torch.save(
-                    {
-                        "model": _unwrap(model).state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "epoch": epoch,
-                        "best": best,
-                        "bad": bad,
-                        "history": history,
-                    },
-                    os.path.join(d, "state.pt"),
-                )
-                with open(os.path.join(d, "ranker.json"), "w") as f:
-                    f.write(rc.to_json())
-                with open(os.path.join(d, "metrics.json"), "w") as f:
-                    json.dump(metrics, f)
-                checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report(metrics, checkpoint=checkpoint)
+        state = {
+            "model": _unwrap(model).state_dict(),
+            "optimizer": opt.state_dict(),
+            "epoch": epoch,
+            "best": best,
+            "bad": bad,
+            "history": history,
+        }
+        report_epoch(rank, state, metrics, {"ranker.json": rc.to_json()})
         if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
             break
 

@@ -44,10 +44,14 @@ from pipelines.sources import InputError
 from pipelines.training import (
     BaseTrainConfig,
     add_config_args,
+    all_sum,
     config_from_args,
     fit,
     open_file,
     out_of_time,
+    progress,
+    report_epoch,
+    restored_state,
     resume_point,
 )
 
@@ -110,24 +114,14 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(tc.seed)
     teacher = TextTeacher(mc)
     titles = item_titles(config["dataset_uri"])
-    start_epoch, best, bad, history, opt_state = 0, -1.0, 0, [], None
-    ckpt = ray.train.get_checkpoint()
-    source = ckpt.path if ckpt else config.get("resume_from")
-    if source:
-        with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
-            state = torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=False)
+    state = restored_state(config)
+    start_epoch, best, bad, history = progress(state)
+    if state is not None:
         teacher.load_state_dict(state["model"])
-        opt_state = state["optimizer"]
-        start_epoch, best, bad, history = (
-            state["epoch"] + 1,
-            state["best"],
-            state["bad"],
-            state["history"],
-        )
     model = ray.train.torch.prepare_model(teacher)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    if opt_state:
-        opt.load_state_dict(opt_state)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
     val = config["val"]
     mine = list(range(rank, len(val["valid"]), world))
     shard = ray.train.get_dataset_shard("train")
@@ -177,13 +171,9 @@ def train_loop(config: dict) -> None:
             batch_size=64,
         )
         nd, hr = _ndcg_hr(ranks)
-        totals = torch.tensor([nd, hr, len(ranks), sum(losses), len(losses)], dtype=torch.float64)
-        if world > 1:
-            torch.distributed.all_reduce(totals)
-        nd, hr, n, loss_sum, loss_n = totals.tolist()
+        nd, hr, n, loss_sum, loss_n = all_sum([nd, hr, len(ranks), sum(losses), len(losses)], world)
         val_ndcg = nd / max(n, 1)
-        improved = val_ndcg > best
-        best, bad = (val_ndcg, 0) if improved else (best, bad + 1)
+        best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
         metrics = {
             "epoch": epoch,
             "loss": loss_sum / max(loss_n, 1),
@@ -196,24 +186,15 @@ def train_loop(config: dict) -> None:
             "epoch_seconds": time.perf_counter() - t0,
         }
         history.append(metrics)
-        with tempfile.TemporaryDirectory() as d:
-            checkpoint = None
-            if rank == 0:
-                torch.save(
-                    {
-                        "model": teacher.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "epoch": epoch,
-                        "best": best,
-                        "bad": bad,
-                        "history": history,
-                    },
-                    os.path.join(d, "state.pt"),
-                )
-                with open(os.path.join(d, "metrics.json"), "w") as f:
-                    json.dump(metrics, f)
-                checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report(metrics, checkpoint=checkpoint)
+        state = {
+            "model": teacher.state_dict(),
+            "optimizer": opt.state_dict(),
+            "epoch": epoch,
+            "best": best,
+            "bad": bad,
+            "history": history,
+        }
+        report_epoch(rank, state, metrics)
         if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
             break
 

@@ -9,10 +9,13 @@ checkpoint folder holds ``state.pt`` (whatever the loop needs to continue) and `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
+import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,6 +160,59 @@ def fit(
     if not checkpoints:
         raise RuntimeError(f"training produced no checkpoint under {train_root}")
     return checkpoints
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def restored_state(config: dict) -> dict | None:
+    """The state a training loop continues from: Ray Train's latest checkpoint after a worker
+    restart, else the run's resume point (``config["resume_from"]``); None for a fresh start."""
+    import ray.train
+    import torch
+
+    ckpt = ray.train.get_checkpoint()
+    source = ckpt.path if ckpt else config.get("resume_from")
+    if not source:
+        return None
+    with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
+        return torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=False)
+
+
+def progress(state: dict | None) -> tuple[int, float, int, list]:
+    """(first epoch to run, best validation score, epochs without a better one, per-epoch
+    metrics so far) of a restored state, or of a fresh start."""
+    if state is None:
+        return 0, -1.0, 0, []
+    return state["epoch"] + 1, state["best"], state["bad"], state["history"]
+
+
+def all_sum(values: list[float], world: int) -> list[float]:
+    """The sums of ``values`` over all workers."""
+    import torch
+
+    totals = torch.tensor(values, dtype=torch.float64)
+    if world > 1:
+        torch.distributed.all_reduce(totals)
+    return totals.tolist()
+
+
+def report_epoch(rank: int, state: dict, metrics: dict, files: dict[str, str] | None = None):
+    """Rank 0 saves ``state`` (state.pt, what ``restored_state`` reads back), ``metrics``
+    (metrics.json, what ``list_checkpoints`` reads) and ``files`` (name -> text) as the epoch's
+    checkpoint; every worker reports the metrics."""
+    import ray.train
+    import torch
+
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if rank == 0:
+            torch.save(state, os.path.join(d, "state.pt"))
+            for name, text in {"metrics.json": json.dumps(metrics), **(files or {})}.items():
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(text)
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(metrics, checkpoint=checkpoint)
 
 
 def out_of_time(started: float, max_minutes: float, world: int) -> bool:
