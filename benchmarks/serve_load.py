@@ -2,13 +2,16 @@
 baseline that scores every candidate with its own full forward, same model, same run.
 
     python -m benchmarks.serve_load --manifest-uri out/user_states/ml-latest-small-ckv \\
-        [--concurrency 1,8,32,64] [--seconds 20] [--candidates 100]
+        [--concurrency 1,8,32,64] [--seconds 20] [--candidates 100] [--teacher TEACHER]
 
 Starts a local Ray and the app (``services.app.build_app`` with ``baseline: true``), then for
 each concurrency c runs c clients that each send requests back to back for ``--seconds``: a
 random stored user and ``--candidates`` distinct random items, top 10. Reports candidate scores
 per second, p50/p95/p99 latency and errors, for ``/v1/rank`` (ours) and ``/v1/rank_full`` (the
-baseline), plus the request bytes with item ids against sending each candidate's vector.
+baseline), plus the request bytes with item ids against sending each candidate's vector. With
+``--teacher`` (a published teacher; needs vLLM, ``make vllm-env``) the same requests also go to
+``/v1/rank_teacher``: the full-text teacher served by vLLM with prefix caching, the baseline
+DuoLM measures its ranker against.
 Writes ``benchmarks/results/serve_load.json``. Client and server share this machine's cores.
 """
 
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--candidates", type=int, default=100)
     p.add_argument("--port", type=int, default=8311)
+    p.add_argument("--teacher", default=None, help="also load the vLLM teacher (train_teacher)")
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     a = p.parse_args(argv)
     manifest, table = build_user_states.read_states(a.manifest_uri)
@@ -64,28 +68,22 @@ def main(argv: list[str] | None = None) -> None:
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": a.port})
-    serve.run(
-        build_app({"manifest_uri": storage.absolute(a.manifest_uri), "baseline": True}),
-        name="kvrank",
-        route_prefix="/",
-    )
+    settings = {"manifest_uri": storage.absolute(a.manifest_uri), "baseline": True}
+    targets = [("mis", "/v1/rank"), ("full_forward_baseline", "/v1/rank_full")]
+    if a.teacher:
+        settings["teacher_uri"] = storage.absolute(a.teacher)
+        targets.append(("teacher_vllm", "/v1/rank_teacher"))
+    serve.run(build_app(settings), name="kvrank", route_prefix="/")
     base = f"http://127.0.0.1:{a.port}"
     levels = [int(c) for c in a.concurrency.split(",")]
-    results = {"mis": [], "full_forward_baseline": []}
-    for name, path in (("mis", "/v1/rank"), ("full_forward_baseline", "/v1/rank_full")):
+    results = {name: [] for name, _ in targets}
+    for name, path in targets:
         asyncio.run(closed_loop(base + path, bodies, 1, 2.0))  # warm-up
         for c in levels:
             r = asyncio.run(closed_loop(base + path, bodies, c, a.seconds))
             results[name].append(r)
             print(name, json.dumps(r), flush=True)
-    top = {r["concurrency"]: r for r in results["mis"]}
-    base_top = {r["concurrency"]: r for r in results["full_forward_baseline"]}
-    ratios = {
-        str(c): round(
-            top[c]["candidate_scores_per_s"] / max(base_top[c]["candidate_scores_per_s"], 1e-9), 1
-        )
-        for c in levels
-    }
+    ratios = _ratios(results, "full_forward_baseline", levels)
     report = {
         "benchmark": "serve_load",
         "manifest_uri": a.manifest_uri,
@@ -93,13 +91,31 @@ def main(argv: list[str] | None = None) -> None:
         "seconds_per_level": a.seconds,
         "results": results,
         "mis_over_baseline_scores_per_s": ratios,
+        **(
+            {
+                "teacher": storage.absolute(a.teacher),
+                "mis_over_teacher_scores_per_s": _ratios(results, "teacher_vllm", levels),
+            }
+            if a.teacher
+            else {}
+        ),
         "request_payload": payload,
         "machine": machine(),
     }
     write(a.out, report)
     serve.shutdown()
     ray.shutdown()
-    print(json.dumps({"mis_over_baseline": ratios, "payload": payload}))
+    summary = {"mis_over_baseline": ratios, "payload": payload}
+    if a.teacher:
+        summary["mis_over_teacher"] = report["mis_over_teacher_scores_per_s"]
+    print(json.dumps(summary))
+
+
+def _ratios(results: dict, other: str, levels: list[int]) -> dict[str, float]:
+    """Candidate scores/s of ours over ``other``'s, per concurrency level."""
+    ours = {r["concurrency"]: r["candidate_scores_per_s"] for r in results["mis"]}
+    theirs = {r["concurrency"]: r["candidate_scores_per_s"] for r in results[other]}
+    return {str(c): round(ours[c] / max(theirs[c], 1e-9), 1) for c in levels}
 
 
 if __name__ == "__main__":

@@ -64,6 +64,23 @@ def build_prompt(ex: TeacherExample, max_history: int) -> str:
     )
 
 
+def yes_token_id(tokenizer, yes_token: str) -> int:
+    """The id whose logit is the teacher's score: the first token of ``yes_token``."""
+    ids = tokenizer(yes_token, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"the tokenizer has no token for yes_token {yes_token!r}")
+    return ids[0]
+
+
+def prompt_token_ids(tokenizer, prompts: list[str], max_length: int) -> list[list[int]]:
+    """Each prompt's token ids, unpadded, cut from the left to ``max_length`` (the oldest
+    history goes first) - what an engine that takes token ids (vLLM) is given; the same ids
+    ``TextTeacher.tokenize`` pads into a batch."""
+    tokenizer.truncation_side = "left"
+    out = tokenizer(prompts, add_special_tokens=False, truncation=True, max_length=max_length)
+    return [list(ids) for ids in out["input_ids"]]
+
+
 class TextTeacher(nn.Module):
     """Causal LM + tokenizer; ``score`` gives one logit per example."""
 
@@ -97,10 +114,7 @@ class TextTeacher(nn.Module):
                 self._init_embeddings_from_encoder()
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        ids = self.tokenizer(cfg.yes_token, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError(f"the tokenizer has no token for yes_token {cfg.yes_token!r}")
-        self.yes_id = ids[0]
+        self.yes_id = yes_token_id(self.tokenizer, cfg.yes_token)
         self.model.eval()
 
     @torch.no_grad()
@@ -128,7 +142,8 @@ class TextTeacher(nn.Module):
         return [build_prompt(ex, self.cfg.max_history) for ex in examples]
 
     def tokenize(self, prompts: list[str]) -> dict[str, Tensor]:
-        """Left-padded and left-truncated, so the question and candidate always survive."""
+        """Left-padded and left-truncated (as ``prompt_token_ids``), so the question and
+        candidate always survive."""
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"
         return self.tokenizer(

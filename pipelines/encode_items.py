@@ -1,7 +1,7 @@
 """Encode the item catalog into one vector per item, with Ray Data, re-encoding only what changed.
 
     python -m pipelines.encode_items --dataset-uri out/datasets/ml-latest-small --out out \\
-        [--encoder DIR] [--full] [--actors 2] [--batch-size 64]
+        [--encoder DIR] [--full] [--actors 2] [--batch-size 64] [--engine hf|vllm]
 
 Reads ``items.parquet`` and writes ``<out>/item_vectors/<dataset>/<encoder_tag>/``:
 
@@ -17,7 +17,10 @@ longer than the encoder's ``max_length`` tokens are truncated and counted.
 
 The encoding runs as a Ray Data ``map_batches`` over an actor pool of ``ItemEncoder``s: each
 actor loads the model once; on a cluster with GPUs each actor takes one GPU, otherwise a
-fraction of a CPU (``--cpus-per-actor``) so a pool fits on a small machine.
+fraction of a CPU (``--cpus-per-actor``) so a pool fits on a small machine. With ``--engine
+vllm`` the actors are vLLM engines instead (``ray.data.llm``'s embedding task, one GPU or one
+CPU each; ``pipelines.vllm_engine``), which is how a decoder-LLM encoder runs on a GPU cluster;
+their vectors go to their own folder (``<name>-vllm-<hash>``).
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ log = logging.getLogger("kvrank.encode_items")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
 
 
-def encoder_tag(cfg: EncoderConfig) -> str:
-    """A folder name for the vectors of this encoder: model name + hash of its config."""
+def encoder_tag(cfg: EncoderConfig, engine: str = "hf") -> str:
+    """A folder name for the vectors of this encoder: model name (+ the engine, when not hf)
+    + hash of its config."""
     from models.encoder import default_model_dir
 
     name = os.path.basename(os.path.normpath(cfg.model_dir or default_model_dir()))
     name = "minilm-l6-v2" if cfg.model_dir is None else re.sub(r"[^A-Za-z0-9._-]+", "-", name)
     digest = hashlib.sha256(cfg.to_json().encode()).hexdigest()[:8]
-    return f"{name}-{digest}"
+    return f"{name}-{digest}" if engine == "hf" else f"{name}-{engine}-{digest}"
 
 
 def clean_text(text: str | None) -> str:
@@ -153,16 +157,21 @@ def encode_items(
     actors: int = 2,
     cpus_per_actor: float = 0.5,
     max_chars: int = 20_000,
+    engine: str = "hf",
 ) -> dict:
     import ray
 
+    from pipelines import vllm_engine
     from pipelines.ray_runtime import cluster_gpus, init_ray
 
     t0 = time.perf_counter()
+    vllm_engine.check_engine(engine)
+    if engine == "vllm":
+        vllm_engine.require_vllm()
     marker = storage.read_marker(dataset_uri)
     if marker.get("kind") != "dataset":
         raise InputError(f"{dataset_uri} is not a prepared dataset")
-    tag = encoder_tag(cfg)
+    tag = encoder_tag(cfg, engine)
     target = vectors_uri(out, marker["name"], tag)
     items = storage.read_parquet(
         storage.join(dataset_uri, "items.parquet"),
@@ -191,18 +200,21 @@ def encode_items(
         ds = ray.data.from_arrow(
             blocks(to_encode, max(1, min(actors * 4, to_encode.num_rows // cfg.batch_size + 1)))
         )
-        res = ds.map_batches(
-            EncoderActor,
-            fn_constructor_args=(
-                cfg.to_json(),
-                1 if gpus else max(1, int(round(cpus_per_actor * 2))),
-            ),
-            compute=ray.data.ActorPoolStrategy(size=actors),
-            batch_size=cfg.batch_size,
-            batch_format="numpy",
-            num_gpus=1 if gpus else 0,
-            num_cpus=None if gpus else cpus_per_actor,
-        )
+        if engine == "vllm":
+            res = vllm_engine.embed_items(ds, cfg, actors=actors, gpus=gpus)
+        else:
+            res = ds.map_batches(
+                EncoderActor,
+                fn_constructor_args=(
+                    cfg.to_json(),
+                    1 if gpus else max(1, int(round(cpus_per_actor * 2))),
+                ),
+                compute=ray.data.ActorPoolStrategy(size=actors),
+                batch_size=cfg.batch_size,
+                batch_format="numpy",
+                num_gpus=1 if gpus else 0,
+                num_cpus=None if gpus else cpus_per_actor,
+            )
         encoded = pa.concat_tables(ray.get(res.to_arrow_refs()))
         enc_seconds = time.perf_counter() - t_enc
         truncated = int(pc.sum(encoded["truncated"]).as_py() or 0)
@@ -232,6 +244,7 @@ def encode_items(
         pub.put_table("errors.parquet", errors)
         summary = {
             "job": "encode_items",
+            "engine": engine,
             "encoder_tag": tag,
             "items": items.num_rows,
             "encoded": to_encode.num_rows,
@@ -249,6 +262,7 @@ def encode_items(
                 "kind": "item_vectors",
                 "dataset_uri": dataset_uri,
                 "encoder": cfg.to_dict(),
+                "engine": engine,
                 **{
                     k: summary[k]
                     for k in (
@@ -317,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-chars", type=int, default=20_000, help="longer texts are skipped as errors"
     )
+    p.add_argument(
+        "--engine",
+        default="hf",
+        help="hf (PyTorch actors) or vllm (ray.data.llm's embedding task; pipelines.vllm_engine)",
+    )
     a = p.parse_args(argv)
 
     def job() -> dict:
@@ -329,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             actors=a.actors,
             cpus_per_actor=a.cpus_per_actor,
             max_chars=a.max_chars,
+            engine=a.engine,
         )
 
     return jobs.run(job)

@@ -3,13 +3,16 @@
     python -m pipelines.label_teacher --dataset-uri out/datasets/ml-latest-small \\
         --teacher out/teachers/ml-latest-small-teacher --out out \\
         [--cuts 4] [--negatives 31] [--max-len 50] [--passes 1] [--actors N] [--seed 0]
+        [--engine hf|vllm]
 
 The examples are fixed here, so that the teacher's scores and the ranker's meet on the same
 candidates: every user's history cut into windows of ``--max-len`` + 1 items (as train_ranker
 cuts them), and per window - ``--passes`` times, with different draws - a window, ``--cuts`` cut
 points and per cut the positive and ``--negatives`` uniform negatives (``models.batches``, one
 seeded generator per row, so a rerun draws the same examples). An actor pool of teachers scores
-every candidate (one prompt each) in batches. Written to
+every candidate (one prompt each) in batches: Hugging Face forwards (``--engine hf``, the
+default) or a vLLM engine per actor (``--engine vllm``, ``pipelines.vllm_engine``: the same
+logits, with a user's prompts sharing their cached history prefix). Written to
 ``<out>/teacher_labels/<dataset>/<teacher run>/labels.parquet``: user_id, hist and hist_fb (the
 window), cuts, candidates (cuts x (1 + negatives), row-major) and teacher_logits (the same
 shape) - what ``train_ranker --teacher-labels`` reads.
@@ -36,13 +39,15 @@ def labels_uri(out: str, dataset: str, teacher_run: str) -> str:
 class TeacherLabeler:
     """Ray Data callable class: the teacher's logit for every candidate of every row."""
 
-    def __init__(self, teacher: str, dataset_uri: str, threads: int, batch_size: int) -> None:
+    def __init__(
+        self, teacher: str, dataset_uri: str, threads: int, batch_size: int, engine: str = "hf"
+    ) -> None:
         import torch
 
         from pipelines.train_teacher import load_teacher
 
         torch.set_num_threads(max(1, threads))
-        with load_teacher(teacher) as loaded:  # weights in memory; a download may go
+        with load_teacher(teacher, engine) as loaded:  # weights in memory; a download may go
             self.teacher = loaded
         self.titles = item_titles(dataset_uri)
         self.batch_size = batch_size
@@ -111,11 +116,17 @@ def label(
     seed: int = 0,
     actors: int = 0,
     batch_size: int = 64,
+    engine: str = "hf",
 ) -> dict:
     import ray
 
     from pipelines.ranker_actors import map_with_pool
-    from pipelines.ray_runtime import init_ray
+    from pipelines.ray_runtime import cluster_gpus, init_ray
+    from pipelines.vllm_engine import check_engine, require_vllm
+
+    check_engine(engine)
+    if engine == "vllm":
+        require_vllm()  # fail here, not in every actor
 
     for name, value in (("cuts", cuts), ("negatives", negatives), ("max-len", max_len)):
         if value <= 0:
@@ -142,15 +153,18 @@ def label(
         seed=seed,
     )
     init_ray()
-    actors = actors or max(1, int(ray.cluster_resources().get("CPU", 1)) - 1)
+    gpu = engine == "vllm" and cluster_gpus() > 0
+    default_actors = cluster_gpus() if gpu else int(ray.cluster_resources().get("CPU", 1)) - 1
+    actors = actors or max(1, default_actors)
     # rows per batch such that one batch is about batch_size * 8 prompts
     per_row = cuts * (1 + negatives)
     res = map_with_pool(
         rows,
         TeacherLabeler,
-        lambda threads: (teacher, dataset_uri, threads, batch_size),
+        lambda threads: (teacher, dataset_uri, threads, batch_size, engine),
         actors=actors,
         batch_size=max(1, batch_size * 8 // per_row),
+        gpu=gpu,
     )
     table = pa.concat_tables(ray.get(res.to_arrow_refs()))
     dest = labels_uri(out, marker["name"], teacher.rstrip("/").rsplit("/", 1)[-1])
@@ -169,6 +183,7 @@ def label(
                 "max_len": max_len,
                 "passes": passes,
                 "seed": seed,
+                "engine": engine,
             }
         )
     except BaseException:
@@ -181,6 +196,7 @@ def label(
         "prompts": table.num_rows * per_row,
         "prompts_per_second": round(table.num_rows * per_row / seconds, 1),
         "actors": actors,
+        "engine": engine,
         "labels": dest,
         "seconds": round(seconds, 1),
     }
@@ -200,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--actors", type=int, default=0, help="teacher actors (0: CPUs - 1)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per teacher forward")
+    p.add_argument(
+        "--engine", default="hf", help="hf (PyTorch forwards) or vllm (pipelines.vllm_engine)"
+    )
     a = p.parse_args(argv)
     return jobs.run(
         lambda: label(
@@ -213,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=a.seed,
             actors=a.actors,
             batch_size=a.batch_size,
+            engine=a.engine,
         )
     )
 

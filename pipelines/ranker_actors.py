@@ -41,16 +41,18 @@ def map_with_rankers(
     )
 
 
-def map_with_pool(table: pa.Table, actor_cls: type, args, *, actors: int, batch_size: int):
+def map_with_pool(
+    table: pa.Table, actor_cls: type, args, *, actors: int, batch_size: int, gpu: bool = False
+):
     """``table`` mapped in numpy batches by a pool of ``actors`` ``actor_cls`` actors sharing
-    the cluster's CPUs (``ray_runtime.cpus_per_actor``), built with ``args(threads)``; the
-    table is pre-cut into blocks (see ``data.blocks``)."""
+    the cluster's CPUs (``ray_runtime.cpus_per_actor``), or with one GPU each (``gpu``), built
+    with ``args(threads)``; the table is pre-cut into blocks (see ``data.blocks``)."""
     import ray
 
     from pipelines.ray_runtime import cpus_per_actor, init_ray
 
     init_ray()
-    cpus = cpus_per_actor(actors)
+    cpus = 1.0 if gpu else cpus_per_actor(actors)
     ds = ray.data.from_arrow(blocks(table, actors * 4))
     return ds.map_batches(
         actor_cls,
@@ -59,4 +61,5 @@ def map_with_pool(table: pa.Table, actor_cls: type, args, *, actors: int, batch_
         batch_size=batch_size,
         batch_format="numpy",
         num_cpus=cpus,
+        num_gpus=1 if gpu else 0,
     )

@@ -315,13 +315,17 @@ def train(
 
 
 @contextlib.contextmanager
-def load_teacher(uri: str):
-    """A published teacher (``<out>/teachers/<run>``) as a ready TextTeacher, in eval mode."""
+def load_teacher(uri: str, engine: str = "hf"):
+    """A published teacher (``<out>/teachers/<run>``) ready to score: a TextTeacher in eval
+    mode (``engine`` hf) or a VllmTeacher (vllm); both have ``score(examples, batch_size)``."""
     from models.teacher import TextTeacher
+    from pipelines.vllm_engine import VllmTeacher, check_engine
 
+    check_engine(engine)
     with storage.local_folder(uri) as d:
-        prompt = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
-        yield TextTeacher(dataclasses.replace(prompt, model_dir=d)).eval()
+        cfg = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
+        cfg = dataclasses.replace(cfg, model_dir=d)
+        yield VllmTeacher(d, cfg) if engine == "vllm" else TextTeacher(cfg).eval()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,6 +152,38 @@ class BaselineRanker:
 
 
 @serve.deployment
+class TeacherRanker:
+    """Benchmarks only: the full-text teacher on vLLM's async engine, one prompt per candidate
+    (the history titles, then the candidate), a user's prompts sharing the cached history
+    prefix (``pipelines.vllm_engine.AsyncVllmTeacher``)."""
+
+    def __init__(self, settings: dict) -> None:
+        from models.config import TeacherConfig
+        from models.teacher import TeacherExample
+        from pipelines import storage
+        from pipelines.data import item_titles
+        from pipelines.vllm_engine import AsyncVllmTeacher
+
+        s = ServeSettings(**settings)
+        manifest = storage.read_marker(s.manifest_uri)
+        self.titles = item_titles(manifest["dataset_uri"])
+        self.example = TeacherExample
+        with storage.local_folder(s.teacher_uri) as d:  # the engine loads it all here
+            cfg = TeacherConfig.from_json(
+                storage.read_bytes(storage.join(s.teacher_uri, "teacher.json"))
+            )
+            self.teacher = AsyncVllmTeacher(d, dataclasses.replace(cfg, model_dir=d))
+
+    async def rank(self, request: tuple[dict, list[int], int]):
+        row, cands, k = request
+        hist = [self.titles[v] for v in row["hist"]]
+        fb = [int(f) for f in row["hist_fb"]]
+        scores = await self.teacher.score([self.example(hist, fb, self.titles[c]) for c in cands])
+        top = np.argsort(-scores, kind="stable")[:k]
+        return [cands[i] for i in top], [float(scores[i]) for i in top]
+
+
+@serve.deployment
 class UserStateStore:
     def __init__(self, settings: dict, shard: int, ranker) -> None:
         from services.store import ShardStore
@@ -212,7 +244,7 @@ async def limit_body(request: Request, call_next):
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, settings: dict, ranker, baseline, *stores) -> None:
+    def __init__(self, settings: dict, ranker, baseline, teacher, *stores) -> None:
         from pipelines import storage
 
         self.s = ServeSettings(**settings)
@@ -225,7 +257,8 @@ class Ingress:
         self.vid_of = dict(zip(ids.tolist(), vids.tolist(), strict=True))
         self.item_of = np.empty(len(ids), dtype=np.int64)
         self.item_of[vids] = ids
-        self.ranker, self.baseline, self.stores = ranker, baseline, list(stores)
+        self.ranker, self.baseline, self.teacher = ranker, baseline, teacher
+        self.stores = list(stores)
         self.counts = {"rank_requests": 0, "candidates": 0, "events": 0, "rejected": 0}
         self.started = time.time()
 
@@ -256,6 +289,13 @@ class Ingress:
         if self.baseline is None:
             raise HTTPException(status_code=404, detail="the baseline ranker is not deployed")
         return await self._rank(req, self.baseline)
+
+    @app.post("/v1/rank_teacher", response_model=RankResponse, include_in_schema=False)
+    async def rank_teacher(self, req: RankRequest) -> RankResponse:
+        """The full-text teacher on vLLM (deployed with ``teacher_uri``, for benchmarks)."""
+        if self.teacher is None:
+            raise HTTPException(status_code=404, detail="the teacher is not deployed")
+        return await self._rank(req, self.teacher)
 
     async def _rank(self, req: RankRequest, ranker) -> RankResponse:
         n = len(req.candidate_item_ids)
@@ -349,10 +389,18 @@ def build_app(args: dict):
         if s.baseline
         else None
     )
+    teacher = (
+        TeacherRanker.options(
+            max_ongoing_requests=s.ranker_max_ongoing_requests,
+            ray_actor_options={"num_cpus": s.teacher_num_cpus, "num_gpus": s.teacher_num_gpus},
+        ).bind(conf)
+        if s.teacher_uri
+        else None
+    )
     return Ingress.options(
         max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
             "runtime_env": {"env_vars": {BODY_LIMIT_ENV: str(s.max_body_bytes)}},
         },
-    ).bind(conf, ranker, baseline, *stores)
+    ).bind(conf, ranker, baseline, teacher, *stores)

@@ -45,6 +45,12 @@ class ServeSettings:
     # benchmarks only: also deploy a ranker that scores every candidate with its own full
     # forward (no KV reuse) behind POST /v1/rank_full, to measure what MIS saves
     baseline: bool = False
+    # benchmarks only: a published teacher (train_teacher) served by vLLM with prefix caching
+    # behind POST /v1/rank_teacher - the standard way a text reranker is served, which DuoLM's
+    # ranker is measured against (needs vLLM: pipelines.vllm_engine)
+    teacher_uri: str | None = None
+    teacher_num_cpus: float = 1.0
+    teacher_num_gpus: float = 0.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -85,7 +91,7 @@ class ServeSettings:
         values = {}
         for name, value in args.items():
             kind = type(fields[name].default) if name != "manifest_uri" else str
-            if name == "store_uri":
+            if name in ("store_uri", "teacher_uri"):
                 kind = str
             if kind is bool and isinstance(value, str):
                 value = {"true": True, "false": False}.get(value.lower(), value)
@@ -98,7 +104,7 @@ class ServeSettings:
         from pipelines import storage
 
         # replicas do not share the caller's working directory: pin relative paths now
-        for name in ("manifest_uri", "store_uri"):
+        for name in ("manifest_uri", "store_uri", "teacher_uri"):
             if values.get(name):
                 values[name] = storage.absolute(values[name])
         return cls(**values)

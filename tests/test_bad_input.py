@@ -3,6 +3,7 @@ nothing already published is touched, and a half-written folder is never read as
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -221,3 +222,26 @@ def test_file_changed_after_publishing_is_detected(tmp_path, capsys):
         f.write(b"junk")
     with pytest.raises(storage.IncompleteError, match="changed after publishing"):
         load_dataset(folder)
+
+
+def test_engine_is_checked_before_anything_is_written(tiny, capsys):
+    from pipelines import encode_items, label_teacher
+
+    args = ["--dataset-uri", tiny["dataset"], "--out", tiny["out"]]
+    assert encode_items.main([*args, "--engine", "onnx"]) == 2
+    assert "--engine must be one of hf, vllm; got 'onnx'" in capsys.readouterr().err
+    teacher = ["--teacher", tiny["out"] + "/teachers/none", "--engine", "tensorrt"]
+    assert label_teacher.main([*args, *teacher]) == 2
+    assert "--engine must be one of hf, vllm" in capsys.readouterr().err
+    assert not storage.exists(storage.join(tiny["out"], "item_vectors"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_engine_vllm_without_vllm_says_how_to_get_it(tiny, capsys):
+    from pipelines import encode_items
+
+    args = ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--engine", "vllm"]
+    assert encode_items.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--engine vllm needs vLLM" in err and "make vllm-env" in err
+    assert not storage.exists(storage.join(tiny["out"], "item_vectors"))

@@ -15,12 +15,7 @@ from models.batches import training_batch
 from models.ranker import distillation_loss
 from pipelines import label_teacher, storage, train_ranker, train_teacher
 from pipelines.data import item_titles, user_sequences
-from tests.tiny import TINY_SHAPE, run_json
-
-# a teacher of a few CPU-seconds: head size 64, short prompts
-TINY_TEACHER = ["--d-model", "64", "--n-heads", "1", "--ffn-dim", "64", "--max-length", "96"]
-TINY_TEACHER += ["--max-history", "5", "--batch-size", "4", "--negatives", "3", "--val-users", "8"]
-TINY_TEACHER += ["--max-len", "10", "--max-steps", "3"]
+from tests.tiny import TINY_SHAPE, TINY_TEACHER, run_json
 
 
 def test_distillation_loss_is_the_tempered_kl_to_the_teacher():

@@ -71,6 +71,12 @@ TINY_TRAIN = ["--batch-size", "8", "--cuts", "2", "--negatives", "5", "--val-use
 TINY_TRAIN += ["--max-len", "10"]
 TINY_SHAPE = TINY_MODEL + TINY_TRAIN
 
+# a teacher of a few CPU-seconds for train_teacher: head size 64 (what vLLM's CPU attention
+# takes), short prompts
+TINY_TEACHER = ["--d-model", "64", "--n-heads", "1", "--ffn-dim", "64", "--max-length", "96"]
+TINY_TEACHER += ["--max-history", "5", "--batch-size", "4", "--negatives", "3", "--val-users", "8"]
+TINY_TEACHER += ["--max-len", "10", "--max-steps", "3"]
+
 
 def tiny_ckv_states(ds: str, out: str, actors: int = 1) -> dict:
     """Train a tiny id ranker on the tiny dataset, fit its CollectiveKV pools (M 16) and build
