@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--candidates", type=int, default=100)
     p.add_argument("--port", type=int, default=8311)
     p.add_argument("--teacher", default=None, help="also load the vLLM teacher (train_teacher)")
+    p.add_argument(
+        "--teacher-cpus",
+        type=float,
+        default=0.25,
+        help="CPUs reserved for the teacher replica (the defaults fit every replica in 2 CPUs)",
+    )
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     a = p.parse_args(argv)
     manifest, table = build_user_states.read_states(a.manifest_uri)
@@ -72,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     targets = [("mis", "/v1/rank"), ("full_forward_baseline", "/v1/rank_full")]
     if a.teacher:
         settings["teacher_uri"] = storage.absolute(a.teacher)
+        settings["teacher_num_cpus"] = a.teacher_cpus
         targets.append(("teacher_vllm", "/v1/rank_teacher"))
     serve.run(build_app(settings), name="kvrank", route_prefix="/")
     base = f"http://127.0.0.1:{a.port}"
