@@ -3,6 +3,7 @@
     python -m pipelines.evaluate --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
         [--id-checkpoint out/checkpoints/ml-latest-small-id] [--teacher out/teachers/RUN]
+        [--teacher-engine hf|vllm]
         [--max-users N] [--report NAME]
 
 Protocol (fixed by prepare_data): each user's history plus validation item is the input; the
@@ -171,14 +172,14 @@ class TeacherRanks:
     """Ray Data callable class: rank of each user's test item among their sampled negatives,
     by a published teacher."""
 
-    def __init__(self, teacher: str, dataset_uri: str, threads: int) -> None:
+    def __init__(self, teacher: str, dataset_uri: str, threads: int, engine: str = "hf") -> None:
         import torch
 
         from pipelines.data import item_titles
         from pipelines.train_teacher import load_teacher
 
         torch.set_num_threads(max(1, threads))
-        with load_teacher(teacher) as loaded:
+        with load_teacher(teacher, engine) as loaded:
             self.teacher = loaded
         self.titles = item_titles(dataset_uri)
 
@@ -210,8 +211,14 @@ def evaluate(
     actors: int = 2,
     seed: int = 0,
     teacher: str | None = None,
+    teacher_engine: str = "hf",
 ) -> dict:
     import ray
+
+    from pipelines.vllm_engine import check_engine, require_vllm
+
+    if check_engine(teacher_engine) == "vllm" and teacher:
+        require_vllm()
 
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)
@@ -289,15 +296,17 @@ def evaluate(
     }
     if teacher:
         from pipelines.ranker_actors import map_with_pool
+        from pipelines.ray_runtime import cluster_gpus
 
         teacher = storage.absolute(teacher)
         log.info("scoring %d users with the teacher (%s), sampled only", users.height, teacher)
         res = map_with_pool(
             users.select("user_id", "input", "input_fb", "test", "negatives").to_arrow(),
             TeacherRanks,
-            lambda threads: (teacher, dataset_uri, threads),
+            lambda threads: (teacher, dataset_uri, threads, teacher_engine),
             actors=actors,
             batch_size=8,
+            gpu=teacher_engine == "vllm" and cluster_gpus() > 0,
         )
         ranks = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs())))
         per_user = per_user.join(
@@ -404,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--id-checkpoint", help="the item-id baseline's checkpoint")
     p.add_argument("--teacher", help="a published teacher (train_teacher): sampled metrics")
     p.add_argument(
+        "--teacher-engine", default="hf", help="hf or vllm (pipelines.vllm_engine) for --teacher"
+    )
+    p.add_argument(
         "--vectors-uri", help="item vectors (default: the ones the checkpoint was trained on)"
     )
     p.add_argument("--max-users", type=int, default=None, help="evaluate a seeded sample of users")
@@ -422,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             report=a.report,
             actors=a.actors,
             teacher=a.teacher,
+            teacher_engine=a.teacher_engine,
         )
     )
 

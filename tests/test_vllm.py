@@ -49,7 +49,12 @@ def teacher(tmp_path_factory, ray_local):
     ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
     args = ["--dataset-uri", ds, "--out", out, "--run", "t", "--epochs", "1", *TINY_TEACHER]
     assert train_teacher.main(args) == 0
-    return {"out": out, "dataset": ds, "teacher": train_teacher.teacher_uri(out, "t")}
+    return {
+        "out": out,
+        "dataset": ds,
+        "teacher": train_teacher.teacher_uri(out, "t"),
+        "states": tiny_ckv_states(ds, out),  # a ranker's build_user_states summary
+    }
 
 
 def test_label_teacher_with_vllm_gives_the_hf_logits(teacher, capsys):
@@ -81,7 +86,7 @@ def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, caps
     from pipelines import build_user_states
     from services.app import build_app
 
-    built = tiny_ckv_states(teacher["dataset"], teacher["out"])
+    built = teacher["states"]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {
@@ -118,3 +123,20 @@ def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, caps
     assert_close(torch.tensor([got[i] for i in items]), want, atol=1e-3, rtol=0)
     scores = [x["score"] for x in r.json()["items"]]
     assert scores == sorted(scores, reverse=True)
+
+
+def test_evaluate_scores_the_teacher_with_vllm_as_with_hf(teacher, capsys):
+    from pipelines import evaluate
+
+    args = ["--dataset-uri", teacher["dataset"], "--out", teacher["out"], "--actors", "1"]
+    ranker = storage.read_marker(teacher["states"]["user_states"])["checkpoint"]
+    args += ["--checkpoint", ranker, "--teacher", teacher["teacher"]]
+    hf = run_json(capsys, evaluate.main, [*args, "--report", "hf"])
+    vl = run_json(capsys, evaluate.main, [*args, "--report", "vl", "--teacher-engine", "vllm"])
+
+    def ranks(summary):
+        t = storage.read_parquet(storage.join(summary["report"], "per_user.parquet"))
+        return pl.from_arrow(t).sort("user_id")["teacher_sampled_rank"].to_list()
+
+    assert ranks(vl) == ranks(hf) and len(ranks(hf)) == 40
+    assert vl["teacher_sampled_ndcg10"] == hf["teacher_sampled_ndcg10"]
