@@ -22,6 +22,7 @@ from models.config import EncoderConfig, TeacherConfig
 from pipelines.sources import InputError
 
 ENGINES = ("hf", "vllm")
+CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: the CPU build's KV cache, in GiB
 
 
 def check_engine(engine: str) -> str:
@@ -44,7 +45,7 @@ def require_vllm():
     if not _has_cuda():
         # vLLM's CPU backend takes its KV cache size from here (GiB; the default is sized for
         # servers): 1 GiB holds 500k+ tokens of the teacher
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     return vllm
 
 
@@ -54,12 +55,13 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def engine_kwargs(max_len: int, *, prefix_caching: bool) -> dict[str, Any]:
+def engine_kwargs(max_len: int, *, prefix_caching: bool, gpu: bool | None = None) -> dict[str, Any]:
     """vLLM engine arguments shared by both uses. On CPUs: eager mode (no graph capture to
     compile for), float32 so the numbers match the hf engine's, and a small memory reservation
     (there it is a fraction of host RAM, which the other processes share; the KV cache itself
-    is VLLM_CPU_KVCACHE_SPACE)."""
-    gpu = _has_cuda()
+    is VLLM_CPU_KVCACHE_SPACE). ``gpu``: whether the engine runs on one (default: whether this
+    process sees CUDA - pass it when the engine is built elsewhere, e.g. in a Ray Data actor)."""
+    gpu = _has_cuda() if gpu is None else gpu
     kw = {
         "max_model_len": max_len,
         "enforce_eager": not gpu,
@@ -129,8 +131,10 @@ def embed_items(ds, cfg: EncoderConfig, *, actors: int, gpus: int):
     config = vLLMEngineProcessorConfig(
         model_source=cfg.model_dir or default_model_dir(),
         task_type="embed",
-        engine_kwargs=engine_kwargs(cfg.max_length, prefix_caching=False),
+        engine_kwargs=engine_kwargs(cfg.max_length, prefix_caching=False, gpu=bool(gpus)),
         placement_group_config={"bundles": [bundle]},
+        # the engines live in Ray Data actors: they take the CPU build's KV cache size from here
+        runtime_env=None if gpus else {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}},
         batch_size=cfg.batch_size,
         concurrency=actors,
         chat_template_stage={"enabled": False},
