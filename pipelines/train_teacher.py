@@ -315,17 +315,22 @@ def train(
 
 
 @contextlib.contextmanager
-def load_teacher(uri: str, engine: str = "hf"):
+def load_teacher(uri: str, engine: str = "hf", serving: bool = False):
     """A published teacher (``<out>/teachers/<run>``) ready to score: a TextTeacher in eval
-    mode (``engine`` hf) or a VllmTeacher (vllm); both have ``score(examples, batch_size)``."""
+    mode (``engine`` hf) or a VllmTeacher (vllm), both with ``score(examples, batch_size)``;
+    with ``serving``, vLLM's async engine instead (``AsyncVllmTeacher``, awaitable ``score``).
+    Whatever the engine needs is loaded inside the context."""
     from models.teacher import TextTeacher
-    from pipelines.vllm_engine import VllmTeacher, check_engine
+    from pipelines.vllm_engine import AsyncVllmTeacher, VllmTeacher, check_engine
 
     check_engine(engine)
     with storage.local_folder(uri) as d:
         cfg = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
         cfg = dataclasses.replace(cfg, model_dir=d)
-        yield VllmTeacher(d, cfg) if engine == "vllm" else TextTeacher(cfg).eval()
+        if engine == "hf":
+            yield TextTeacher(cfg).eval()
+        else:
+            yield (AsyncVllmTeacher if serving else VllmTeacher)(d, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,27 +158,24 @@ class TeacherRanker:
     prefix (``pipelines.vllm_engine.AsyncVllmTeacher``)."""
 
     def __init__(self, settings: dict) -> None:
-        from models.config import TeacherConfig
-        from models.teacher import TeacherExample
         from pipelines import storage
         from pipelines.data import item_titles
-        from pipelines.vllm_engine import AsyncVllmTeacher
+        from pipelines.train_teacher import load_teacher
 
         s = ServeSettings(**settings)
         manifest = storage.read_marker(s.manifest_uri)
         self.titles = item_titles(manifest["dataset_uri"])
-        self.example = TeacherExample
-        with storage.local_folder(s.teacher_uri) as d:  # the engine loads it all here
-            cfg = TeacherConfig.from_json(
-                storage.read_bytes(storage.join(s.teacher_uri, "teacher.json"))
-            )
-            self.teacher = AsyncVllmTeacher(d, dataclasses.replace(cfg, model_dir=d))
+        with load_teacher(s.teacher_uri, "vllm", serving=True) as teacher:
+            self.teacher = teacher
 
     async def rank(self, request: tuple[dict, list[int], int]):
+        from models.teacher import TeacherExample
+
         row, cands, k = request
         hist = [self.titles[v] for v in row["hist"]]
         fb = [int(f) for f in row["hist_fb"]]
-        scores = await self.teacher.score([self.example(hist, fb, self.titles[c]) for c in cands])
+        examples = [TeacherExample(hist, fb, self.titles[c]) for c in cands]
+        scores = await self.teacher.score(examples)
         top = np.argsort(-scores, kind="stable")[:k]
         return [cands[i] for i in top], [float(scores[i]) for i in top]
 
