@@ -166,8 +166,6 @@ def encode_items(
 
     t0 = time.perf_counter()
     vllm_engine.check_engine(engine)
-    if engine == "vllm":
-        vllm_engine.require_vllm()
     marker = storage.read_marker(dataset_uri)
     if marker.get("kind") != "dataset":
         raise InputError(f"{dataset_uri} is not a prepared dataset")

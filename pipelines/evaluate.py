@@ -215,10 +215,10 @@ def evaluate(
 ) -> dict:
     import ray
 
-    from pipelines.vllm_engine import check_engine, require_vllm
+    from pipelines.vllm_engine import check_engine
 
-    if check_engine(teacher_engine) == "vllm" and teacher:
-        require_vllm()
+    if teacher:
+        check_engine(teacher_engine)  # fail here, not in every actor
 
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)

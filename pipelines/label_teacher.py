@@ -122,11 +122,9 @@ def label(
 
     from pipelines.ranker_actors import map_with_pool
     from pipelines.ray_runtime import cluster_gpus, init_ray
-    from pipelines.vllm_engine import check_engine, require_vllm
+    from pipelines.vllm_engine import check_engine
 
-    check_engine(engine)
-    if engine == "vllm":
-        require_vllm()  # fail here, not in every actor
+    check_engine(engine)  # fail here, not in every actor
 
     for name, value in (("cuts", cuts), ("negatives", negatives), ("max-len", max_len)):
         if value <= 0:

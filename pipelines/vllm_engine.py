@@ -26,8 +26,11 @@ CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: the CPU build's KV 
 
 
 def check_engine(engine: str) -> str:
+    """``engine`` if it is one of ENGINES and usable here (vllm: importable), else InputError."""
     if engine not in ENGINES:
         raise InputError(f"--engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if engine == "vllm":
+        require_vllm()
     return engine
 
 
@@ -220,9 +223,6 @@ class VllmTeacher(_TeacherPrompts):
             return torch.zeros(0)
         outs = self.llm.generate(self.token_prompts(examples), self.params, use_tqdm=False)
         return torch.tensor([self.score_of(o) for o in outs], dtype=torch.float32)
-
-    def eval(self) -> VllmTeacher:  # the same call sites as TextTeacher
-        return self
 
 
 class AsyncVllmTeacher(_TeacherPrompts):
