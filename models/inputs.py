@@ -87,7 +87,8 @@ class RankerOutput:
     scores: Tensor  # (B, N); padded candidates -inf
     aux_loss: Tensor  # CollectiveKV peak + balance (0 without CollectiveKV)
     # (B, T, n_items) with ``catalog=True`` and a user token: column t-1 scores every item as
-    # the next one after the first t history items (<u_t, c>); None otherwise
+    # the next one after the first t history items (<u_t, c>); (R, n_items) for the prefixes a
+    # (B, T) mask chose; None otherwise
     catalog: Tensor | None = None
 
 

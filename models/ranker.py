@@ -209,13 +209,18 @@ class Ranker(nn.Module):
             )
         self.item_table = vectors.to(device=self.bos.device, dtype=self.bos.dtype).contiguous()
 
-    def _item_tokens(self, vids: Tensor) -> Tensor:
-        v = vids.clamp(min=0)
-        raw = (
-            self.item_emb(v) if self.item_emb is not None else self.item_table[v].to(self.bos.dtype)
-        )
-        tokens = self.adapter(raw)
-        return tokens if self.id_residual is None else tokens + self.id_residual(v)
+    def _item_tokens(self, vids: Tensor | None) -> Tensor:
+        """Item tokens of ``vids`` (padding -1 reads item 0), or of the whole catalog in vid
+        order with ``None`` - read straight from the tables: no gather of a copy of them."""
+        if vids is None:
+            raw = self.item_emb.weight if self.item_emb is not None else self.item_table
+            residual = None if self.id_residual is None else self.id_residual.weight
+        else:
+            v = vids.clamp(min=0)
+            raw = self.item_emb(v) if self.item_emb is not None else self.item_table[v]
+            residual = None if self.id_residual is None else self.id_residual(v)
+        tokens = self.adapter(raw.to(self.bos.dtype))
+        return tokens if residual is None else tokens + residual
 
     def _history_tokens(self, vids: Tensor, feedback: Tensor, time_bucket: Tensor | None) -> Tensor:
         x = self._item_tokens(vids) + self.feedback_emb((feedback + 1).clamp(min=0))
@@ -230,7 +235,7 @@ class Ranker(nn.Module):
         x = torch.cat([self.bos.expand(b, 1, -1), x], dim=1)
         return self.drop(x), h.lengths + 1
 
-    def _candidate_tokens(self, vids: Tensor) -> Tensor:
+    def _candidate_tokens(self, vids: Tensor | None) -> Tensor:
         return self._item_tokens(vids) + self.cand_emb
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -394,7 +399,7 @@ class Ranker(nn.Module):
         history: History,
         candidate_vids: Tensor,
         cut: Tensor | None = None,
-        catalog: bool = False,
+        catalog: bool | Tensor = False,
     ) -> RankerOutput:
         """Training forward: prefill + MIS fast path with gradients; see ``ranking_loss``.
 
@@ -402,7 +407,10 @@ class Ranker(nn.Module):
         cut[b, j] history items only, as if the history ended there - one prefill then trains
         on several next-item predictions per user (the causal prefix of a history does not
         depend on what follows it). Default: the whole history. ``catalog``: also return the
-        user token's full-catalog logits after every history prefix (``RankerOutput.catalog``).
+        user token's full-catalog logits (``RankerOutput.catalog``): True, after every history
+        prefix, (B, T, n_items); a (B, T) bool mask, after the chosen prefixes only, (R,
+        n_items) in row-major order - the rows a loss uses, so padding costs no logits (the
+        catalog product is the largest tensor of a training step on short histories).
         """
         p = self._prefill(history)
         tokens = self._candidate_tokens(candidate_vids)
@@ -431,13 +439,16 @@ class Ranker(nn.Module):
         u_cand = u.gather(1, (cut - 1).clamp(min=0)[..., None].expand(-1, -1, u.shape[-1]))
         scores = self._head(x[:, t:]) + (u_cand * tokens).sum(-1)
         scores = scores.masked_fill(candidate_vids < 0, float("-inf"))
-        logits = u @ self.catalog_tokens().T if catalog else None
+        logits = None
+        if isinstance(catalog, Tensor):
+            logits = u[catalog] @ self.catalog_tokens().T
+        elif catalog:
+            logits = u @ self.catalog_tokens().T
         return RankerOutput(scores, p.aux, logits)
 
     def catalog_tokens(self) -> Tensor:
         """Candidate tokens of every item in the catalog, (n_items, d)."""
-        n = len(self.item_emb.weight) if self.item_emb is not None else len(self.item_table)
-        return self._candidate_tokens(torch.arange(n, device=self.bos.device))
+        return self._candidate_tokens(None)
 
     @torch.no_grad()
     def score_reference(self, history: History, candidate_vids: Tensor) -> Tensor:

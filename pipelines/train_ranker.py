@@ -202,12 +202,14 @@ def train_loop(config: dict) -> None:
             h = tb.history
             h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
             catalog = tc.catalog_weight > 0 and rc.user_token
-            out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=catalog)
+            next_vids = tb.next_vids.to(dev)
+            rows = next_vids >= 0 if catalog else False  # logits only where a next item is
+            out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
             scores = (out.scores - tb.log_q.to(dev)).view(-1, 1 + tc.negatives)
             loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
             if catalog:
                 loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
-                    out.catalog.flatten(0, 1), tb.next_vids.to(dev).flatten(), ignore_index=-100
+                    out.catalog, next_vids[rows]
                 )
             if labelled and tc.distill_weight > 0:
                 teacher = torch.as_tensor(np.stack(batch["teacher_logits"]), device=dev)

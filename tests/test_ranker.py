@@ -388,6 +388,13 @@ def test_catalog_logits_are_the_user_vector_after_each_prefix(mode):
             prefix = History(h.vids[b : b + 1, :t], h.feedback[b : b + 1, :t], torch.tensor([t]))
             u = model.user_vector(model.prefill(prefix))
             assert_close(out.catalog[b, t - 1], (u @ catalog.T)[0], atol=ATOL, rtol=0)
+    # a mask of prefixes returns just those rows (what training computes: no padding rows)
+    mask = torch.arange(h.vids.shape[1]) < h.lengths[:, None]
+    mask[0, 0] = False
+    with torch.no_grad():
+        rows = model(h, candidates().clamp(min=0), catalog=mask).catalog
+    assert rows.shape == (int(mask.sum()), N_ITEMS)
+    assert_close(rows, out.catalog[mask], atol=ATOL, rtol=0)
 
 
 def test_a_config_saved_before_the_user_token_loads_without_it():
