@@ -238,14 +238,16 @@ class Ranker(nn.Module):
     def _candidate_tokens(self, vids: Tensor | None) -> Tensor:
         return self._item_tokens(vids) + self.cand_emb
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def _rope(self, positions: Tensor, bound: int) -> tuple[Tensor, Tensor]:
         """cos, sin for integer positions (...,) -> (..., head_dim), from a table that grows by
-        doubling: every score and expand call needs them, so they are computed once."""
-        need = int(positions.max()) + 1 if positions.numel() else 1
+        doubling: every score and expand call needs them, so they are computed once. ``bound``
+        (> every position) comes from the callers' shapes, never from reading ``positions``:
+        reading a device tensor's values is a host sync, which a CUDA graph cannot capture and
+        which stalls every serving call on a GPU."""
         key = (positions.device, self.bos.dtype)
         table = self._rope_table.get(key)
-        if table is None or table[0].shape[0] < need:
-            size = max(need, 2 * (table[0].shape[0] if table is not None else 256))
+        if table is None or table[0].shape[0] < bound:
+            size = max(bound, 2 * (table[0].shape[0] if table is not None else 256))
             pos = torch.arange(size, device=positions.device)
             table = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, self.bos.dtype)
             self._rope_table[key] = table
@@ -265,7 +267,7 @@ class Ranker(nn.Module):
             & valid[:, None, :]
         )
         mask = mask | torch.eye(length, dtype=torch.bool, device=x.device)  # padded rows: no NaN
-        cos, sin = self._rope(pos.expand(b, -1))
+        cos, sin = self._rope(pos.expand(b, -1), length)
         ks, vs, states, aux = [], [], [], x.new_zeros(())
         for layer in self.layers:
             hn = layer.input_layernorm(x)
@@ -308,7 +310,8 @@ class Ranker(nn.Module):
             return cache
         cfg = self.cfg
         b, length = cache.layers[0].u_k.shape[:2]
-        cos, sin = self._rope(torch.arange(length, device=cache.lengths.device).expand(b, -1))
+        positions = torch.arange(length, device=cache.lengths.device).expand(b, -1)
+        cos, sin = self._rope(positions, length)
         ks, vs = [], []
         for layer, state in zip(self.layers, cache.layers, strict=True):
             k, v = layer.self_attn.ckv.expand(state, self.bos.dtype)
@@ -329,12 +332,13 @@ class Ranker(nn.Module):
         smaller value scores the token as if the history ended there (it sits at that position).
         """
         b, n, _ = x.shape
+        width = kv.k[0].shape[2]  # cached tokens, BOS included: new tokens sit at <= width
         if visible is None:
-            cos, sin = self._rope(kv.lengths[:, None].expand(b, n))
+            cos, sin = self._rope(kv.lengths[:, None].expand(b, n), width + 1)
             valid = kv.valid()
         else:
-            cos, sin = self._rope(visible)
-            valid = torch.arange(kv.k[0].shape[2], device=x.device) < visible[..., None]
+            cos, sin = self._rope(visible, width + 1)
+            valid = torch.arange(width, device=x.device) < visible[..., None]
         new, aux = [], x.new_zeros(())
         # new history tokens take K/V from the pools (if any); candidates from the projections
         pool_valid = torch.ones(b, n, dtype=torch.bool, device=x.device) if cached else None
@@ -474,7 +478,7 @@ class Ranker(nn.Module):
         mask = (causal & is_hist[None, :] & key_ok[:, None, :]) | torch.eye(
             s, dtype=torch.bool, device=dev
         )
-        cos, sin = self._rope(pos)
+        cos, sin = self._rope(pos, length + 1)
         for layer in self.layers:
             att = layer.self_attn
             hn = layer.input_layernorm(x)

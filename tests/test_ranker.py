@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.collective_kv import compression_ratio, full_kv_bytes, state_bytes_per_token
 from models.config import CollectiveKVConfig, ConfigError, RankerConfig
@@ -179,6 +180,40 @@ def test_expand_of_compressed_state_equals_kv_computed_on_the_fly(mode):
         fly, _, _ = model._step(p.kv, x, cached=False)
         exp, _, _ = model._step(expanded, x, cached=False)
     assert torch.equal(fly, exp)
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that copy a tensor's values to the host (``int(t)``, ``t.item()``, boolean
+    indexing): on a GPU each is a sync, and a CUDA graph cannot capture one."""
+
+    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["plain", "collective_kv"])
+def test_serving_calls_never_read_tensor_values_back_to_the_host(mode):
+    """Scoring from a cached or stored state is capturable in a CUDA graph (the GPU benchmark's
+    --cuda-graph): positions' bounds come from shapes, masks stay on the device."""
+    model = tiny_ranker(CKV_MODES[mode])
+    model.user_vector(model.prefill(ragged_history()))  # the rotary table exists, as when warm
+    cache = model.prefill(ragged_history())
+    reads = HostReads()
+    with reads, torch.no_grad():
+        model.score(cache, candidates())
+        model.user_vector(cache)
+        model.score_tokens(cache, model.candidate_tokens(torch.arange(N_ITEMS)))
+    assert reads.seen == []
+    with HostReads() as probe:  # the probe itself sees what it must
+        int(torch.tensor(3))
+    assert probe.seen == ["aten._local_scalar_dense.default"]
 
 
 @pytest.mark.parametrize("user_dim", [1, 2, 4, 8])
