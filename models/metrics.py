@@ -46,10 +46,28 @@ def full_catalog_ranks(
         scores[:, start : start + len(vids)] = model.score_tokens(
             cache, model.candidate_tokens(vids)
         )
+    return _ranks(scores, targets, exclude)
+
+
+@torch.no_grad()
+def dot_catalog_ranks(
+    model: Ranker, history: History | Cache, targets: Tensor, exclude: list[Tensor]
+) -> Tensor:
+    """As ``full_catalog_ranks``, by the user token's part of the score alone: <u, item token>
+    for every item, one matrix product instead of a MIS pass over the catalog (a ranker with a
+    user token only). The cheap proxy training validates every user with; the MIS head's part
+    is left out, so these ranks are not the served ones."""
+    cache = _cache(model, history)
+    scores = model.user_vector(cache) @ model.catalog_tokens().T
+    return _ranks(scores, targets, exclude)
+
+
+def _ranks(scores: Tensor, targets: Tensor, exclude: list[Tensor]) -> Tensor:
+    """scores (B, n_items) -> each target's rank among the items not in ``exclude[b]``."""
     target_scores = scores.gather(1, targets[:, None])
     for b, ex in enumerate(exclude):
         if len(ex):
-            scores[b, ex.to(dev)] = -math.inf
+            scores[b, ex.to(scores.device)] = -math.inf
     scores.scatter_(1, targets[:, None], target_scores)  # the target itself is never excluded
     return (scores > target_scores).sum(1)
 

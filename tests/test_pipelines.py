@@ -12,6 +12,7 @@ import torch
 
 from pipelines import data, encode_items, evaluate, prepare_data, storage, train_ranker, training
 from pipelines.data import item_table, training_windows
+from pipelines.sources import InputError
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
 
 
@@ -186,6 +187,46 @@ def test_metrics_on_a_hand_made_case():
     full, sampled = evaluate.popular_ranks(users, 4)
     # counts: item0 2, item1 1, item2 1, item3 0
     assert full.tolist() == [0, 2] and sampled.tolist() == [0, 2]
+
+
+def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
+    from models.config import RankerConfig
+    from models.metrics import dot_catalog_ranks, ndcg_at_k
+    from models.ranker import History, Ranker
+
+    torch.manual_seed(0)
+    n_items = 30
+    shape = dict(item_dim=4, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8)
+    model = Ranker(RankerConfig(**shape, n_layers=1), n_items=n_items).eval()
+    model.set_item_table(torch.randn(n_items, 4))
+    rng = np.random.default_rng(0)
+    hists = [rng.choice(n_items, size=k, replace=False) for k in (1, 3, 5, 2, 4)]
+    val = {
+        "hist": hists,
+        "hist_fb": [np.zeros(len(h), dtype=np.int64) for h in hists],
+        "valid": [int(np.setdiff1d(np.arange(n_items), h)[0]) for h in hists],
+    }
+    # by hand: <u, item token> for every item, the user's history ranked below everything
+    h = History.from_lists([list(x) for x in hists], [[0] * len(x) for x in hists])
+    with torch.no_grad():
+        scores = model.user_vector(model.prefill(h)) @ model.catalog_tokens().T
+    want = []
+    for b, hist in enumerate(hists):
+        row = scores[b].clone()
+        row[torch.as_tensor(hist)] = -float("inf")
+        want.append(int((row > scores[b, val["valid"][b]]).sum()))
+    exclude = [torch.as_tensor(x) for x in hists]
+    got = dot_catalog_ranks(model, h, torch.tensor(val["valid"]), exclude)
+    assert got.tolist() == want
+    nd, _, n = train_ranker._validate(model, val, n_items, 10, 0, 1, "dot")
+    assert n == 5 and nd == pytest.approx(float(ndcg_at_k(torch.tensor(want)).sum()))
+    # two workers split the users and their sums add up to one worker's
+    halves = [train_ranker._validate(model, val, n_items, 10, r, 2, "dot") for r in (0, 1)]
+    assert sum(x[0] for x in halves) == pytest.approx(nd) and sum(x[2] for x in halves) == 5
+    served, _, _ = train_ranker._validate(model, val, n_items, 10, 0, 1, "served")
+    assert served != pytest.approx(nd)  # the served score adds the head: another ranking
+    with pytest.raises(InputError, match="--val-score must be one of"):
+        train_ranker.TrainConfig(val_score="mis")
 
 
 def test_whole_chain_on_s3(tiny, s3_bucket, ray_local, capsys):
