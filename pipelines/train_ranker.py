@@ -21,13 +21,14 @@ the windows, cut points and candidates are the labelled ones instead, and the lo
 After every epoch the workers compute validation NDCG@10 over the full catalog for
 ``--val-users`` users (split across workers, each user's validation item ranked against every
 item not in their history, by the served score or, with ``--val-score dot``, by the user token's
-dot product alone - cheap enough for every user of a small dataset), and rank 0 reports a checkpoint (weights, ranker config, optimizer,
-progress). Ray Train keeps them under ``<out>/checkpoints/<run>/train/``; ``FailureConfig``
-restarts failed workers from the latest one; ``--resume`` starts a new attempt from the latest
-checkpoint of earlier attempts. Training stops early after ``--patience`` epochs without a better
-validation score. The best epoch is then published to ``<out>/checkpoints/<run>/``:
-``model.pt``, ``ranker.json``, ``metrics.json`` (per-epoch history) and ``_SUCCESS.json`` naming
-the best epoch - the checkpoint the other jobs load.
+dot product alone - cheap enough for every user of a small dataset), and rank 0 reports a
+checkpoint (weights, ranker config, optimizer, progress). Ray Train keeps them under
+``<out>/checkpoints/<run>/train/``; ``FailureConfig`` restarts failed workers from the latest
+one; ``--resume`` starts a new attempt from the latest checkpoint of earlier attempts. Training
+stops early after ``--patience`` epochs without a better validation score. The best epoch is
+then published to ``<out>/checkpoints/<run>/``: ``model.pt``, ``ranker.json``, ``metrics.json``
+(per-epoch history) and ``_SUCCESS.json`` naming the best epoch - the checkpoint the other jobs
+load.
 """
 
 from __future__ import annotations
