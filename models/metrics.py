@@ -51,14 +51,20 @@ def full_catalog_ranks(
 
 @torch.no_grad()
 def dot_catalog_ranks(
-    model: Ranker, history: History | Cache, targets: Tensor, exclude: list[Tensor]
+    model: Ranker,
+    history: History | Cache,
+    targets: Tensor,
+    exclude: list[Tensor],
+    tokens: Tensor | None = None,
 ) -> Tensor:
     """As ``full_catalog_ranks``, by the user token's part of the score alone: <u, item token>
     for every item, one matrix product instead of a MIS pass over the catalog (a ranker with a
     user token only). The cheap proxy training validates every user with; the MIS head's part
-    is left out, so these ranks are not the served ones."""
+    is left out, so these ranks are not the served ones. ``tokens``: ``model.catalog_tokens()``
+    when the caller ranks many batches with one model (computed here otherwise)."""
     cache = _cache(model, history)
-    scores = model.user_vector(cache) @ model.catalog_tokens().T
+    tokens = model.catalog_tokens() if tokens is None else tokens
+    scores = model.user_vector(cache) @ tokens.T
     return _ranks(scores, targets, exclude)
 
 

@@ -129,6 +129,8 @@ def _validate(
     nd, hr = 0.0, 0.0
     m = _unwrap(model).eval()
     dev = next(m.parameters()).device
+    with torch.no_grad():  # the catalog's tokens, once for every batch (the dot score only)
+        tokens = m.catalog_tokens() if score == "dot" else None
     for start in range(0, len(idx), 32):
         part = idx[start : start + 32]
         hist = history_batch(
@@ -138,7 +140,7 @@ def _validate(
         targets = torch.tensor([val["valid"][i] for i in part], device=dev)
         exclude = [torch.as_tensor(val["hist"][i]) for i in part]
         if score == "dot":
-            ranks = dot_catalog_ranks(m, hist, targets, exclude)
+            ranks = dot_catalog_ranks(m, hist, targets, exclude, tokens)
         else:
             ranks = full_catalog_ranks(m, hist, targets, exclude, n_items)
         nd += float(ndcg_at_k(ranks).sum())
