@@ -53,6 +53,7 @@ def _nested(cls: type, name: str, value: Any) -> Any:
 
 
 ITEM_INPUTS = ("text", "id", "text+id")  # RankerConfig.item_input
+ADAPTERS = ("linear", "mlp")  # RankerConfig.adapter
 
 
 def _check(cond: bool, cls: str, msg: str) -> None:
@@ -168,8 +169,14 @@ class RankerConfig(_JsonConfig):
     # <u, candidate token> to every candidate's score, and lets training use a full-catalog
     # softmax at every history position (see models.ranker)
     user_token: bool = True
+    # how an item vector becomes an item token: "linear" (one projection, the default) or "mlp"
+    # (Linear, SiLU, Linear). The MLP moves every item's token at once with each update of its
+    # shared weights, and on ml-latest-small it learned slower and ranked worse (README)
+    adapter: str = "linear"
 
-    _absent_means = {"user_token": False}  # checkpoints from before the user token
+    # what a saved config without a field meant: checkpoints from before the user token and
+    # before the adapter option
+    _absent_means = {"user_token": False, "adapter": "mlp"}
 
     def __post_init__(self) -> None:
         c = "RankerConfig"
@@ -203,6 +210,11 @@ class RankerConfig(_JsonConfig):
             self.item_input in ITEM_INPUTS,
             c,
             f"item_input must be one of {', '.join(ITEM_INPUTS)}; got {self.item_input!r}",
+        )
+        _check(
+            self.adapter in ADAPTERS,
+            c,
+            f"adapter must be one of {', '.join(ADAPTERS)}; got {self.adapter!r}",
         )
         if self.collective_kv is not None:
             _check(

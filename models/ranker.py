@@ -2,7 +2,8 @@
 
 Input sequence per user: ``[BOS] h_1 ... h_T`` with ``h_t = adapter(item_table[vid_t]) +
 feedback_emb[f_t] (+ time_emb[gap bucket])``, then candidates ``c_j = adapter(item_table[vid_j])
-+ cand_emb``; with ``item_input="text+id"`` every item token also adds a learned per-item
++ cand_emb`` (the adapter: one linear map, or an MLP with ``adapter="mlp"``); with
+``item_input="text+id"`` every item token also adds a learned per-item
 residual ``id_residual[vid]`` (zero at start, so unseen items keep their text token), and with
 ``"id"`` (the baseline) a learned embedding replaces ``item_table``. Position p of BOS is 0, of
 h_t is t; every candidate sits at position T+1 and sees the whole history and itself, never
@@ -176,8 +177,12 @@ class Ranker(nn.Module):
         if cfg.item_input == "text+id":
             self.id_residual = nn.Embedding(n_items, cfg.d_model)
             nn.init.zeros_(self.id_residual.weight)
-        self.adapter = nn.Sequential(
-            nn.Linear(cfg.item_dim, cfg.d_model), nn.SiLU(), nn.Linear(cfg.d_model, cfg.d_model)
+        self.adapter = (
+            nn.Sequential(nn.Linear(cfg.item_dim, cfg.d_model))
+            if cfg.adapter == "linear"
+            else nn.Sequential(
+                nn.Linear(cfg.item_dim, cfg.d_model), nn.SiLU(), nn.Linear(cfg.d_model, cfg.d_model)
+            )
         )
         self.feedback_emb = nn.Embedding(cfg.feedback_classes + 1, cfg.d_model)  # row 0: unknown
         self.time_emb = nn.Embedding(cfg.time_buckets, cfg.d_model) if cfg.time_buckets else None

@@ -447,6 +447,23 @@ def test_a_config_saved_before_the_user_token_loads_without_it():
         model.user_vector(model.prefill(h))
 
 
+def test_the_adapter_is_linear_by_default_and_old_configs_keep_their_mlp():
+    linear, mlp = tiny_ranker(), tiny_ranker(adapter="mlp")
+    assert {k for k in linear.state_dict() if k.startswith("adapter.")} == {
+        "adapter.0.weight",
+        "adapter.0.bias",
+    }
+    assert "adapter.2.weight" in mlp.state_dict()
+    old = tiny_config().to_dict()
+    del old["adapter"]  # a checkpoint written before the option had the MLP
+    assert RankerConfig.from_dict(old).adapter == "mlp"
+    with pytest.raises(ConfigError, match="adapter must be one of linear, mlp; got 'deep'"):
+        tiny_config(adapter="deep")
+    h, c = ragged_history(), candidates()
+    reference = linear.score_reference(h, c)
+    assert_close(linear.score(linear.prefill(h), c), reference, atol=ATOL, rtol=0)
+
+
 def test_item_id_inputs_learn_an_embedding_per_item():
     model = tiny_ranker(None, item_input="id").train()
     with pytest.raises(ValueError, match="item-id embeddings"):
