@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         val_users=32,
         negatives=63,
         max_steps=a.max_steps,
+        ema_decay=0.0,  # as train_kv_pool: a one-epoch fine-tune, no weight average
     )
     rows = []
 

@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--init-users", type=int, default=512)
     g.add_argument("--init-tokens", type=int, default=50_000)
     add_train_args(p)
-    # fine-tuning from a trained ranker needs far fewer epochs than training it
-    p.set_defaults(epochs=4, patience=2, lr=5e-4, val_users=128)
+    # fine-tuning from a trained ranker needs far fewer epochs than training it; over so few
+    # steps a weight average would mostly hold the starting weights, so it is off
+    p.set_defaults(epochs=4, patience=2, lr=5e-4, val_users=128, ema_decay=0.0)
     a = p.parse_args(argv)
 
     def job() -> dict:

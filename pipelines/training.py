@@ -187,6 +187,22 @@ def progress(state: dict | None) -> tuple[int, float, int, list]:
     return state["epoch"] + 1, state["best"], state["bad"], state["history"]
 
 
+def weight_average(model, decay: float, state: dict | None):
+    """An exponential moving average of ``model``'s parameters (``torch.optim.swa_utils.
+    AveragedModel``: ``update_parameters(model)`` after each optimizer step, ``.module`` to
+    score with), restored from ``state["average"]`` when a run continues; None when ``decay``
+    is 0. It starts as a copy of the weights and moves ``1 - decay`` of the way to the current
+    ones every step, so it averages roughly the last 1 / (1 - decay) steps."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    if not decay:
+        return None
+    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    if state is not None and state.get("average") is not None:
+        average.load_state_dict(state["average"])
+    return average
+
+
 def all_sum(values: list[float], world: int) -> list[float]:
     """The sums of ``values`` over all workers."""
     import torch

@@ -136,8 +136,32 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
     history2 = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
     assert history2[:2] == history  # the first two epochs are carried over, not redone
-    model, _ = data.load_checkpoint(root)
+    model, marker = data.load_checkpoint(root)
     assert model.cfg.d_model == 32
+    # published: the best epoch's weight average, not its raw weights
+    best = torch.load(training.open_file(marker["source"], "state.pt"), weights_only=False)
+    weights = model.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in best["published"].items())
+    assert any(not torch.equal(best["model"][k], v) for k, v in best["published"].items())
+    # the average went on across the resume: it has seen every step of the three epochs
+    last = training.list_checkpoints(storage.join(root, "train"))[-1][0]
+    last_state = torch.load(training.open_file(last, "state.pt"), weights_only=False)
+    assert int(last_state["average"]["n_averaged"]) == sum(h["steps"] for h in history2)
+
+
+def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
+    model = torch.nn.Linear(1, 1, bias=False)
+    assert training.weight_average(model, 0.0, None) is None  # off
+    average = training.weight_average(model, 0.75, None)
+    expected = None
+    for w in [4.0, 2.0, 8.0, 0.0]:
+        model.weight.data.fill_(w)
+        average.update_parameters(model)
+        expected = w if expected is None else 0.75 * expected + 0.25 * w  # the first one copies
+        assert average.module.weight.item() == pytest.approx(expected)
+    again = training.weight_average(model, 0.75, {"average": average.state_dict()})
+    assert again.module.weight.item() == pytest.approx(expected)
+    assert int(again.n_averaged) == 4
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
