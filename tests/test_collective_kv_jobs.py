@@ -86,6 +86,9 @@ def test_state_round_trip_through_parquet(where, share, tmp_path, request):
 def test_router_use_and_collapse_detection():
     model = tiny_ckv_ranker()
     with torch.no_grad():
+        # items as distinct as a trained ranker's (at init their tokens are small beside the
+        # feedback embedding all tokens share, and an untrained router may see one token)
+        model.item_emb.weight.normal_()
         model.layers[1].self_attn.ckv.router_v.weight.zero_()  # every logit 0: argmax is 0
     hist = [np.arange(1, 30), np.arange(20, 45)]
     fb = [np.zeros(29, dtype=int), np.zeros(25, dtype=int)]

@@ -215,7 +215,7 @@ def test_metrics_on_a_hand_made_case():
 
 def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
     from models.config import RankerConfig
-    from models.metrics import dot_catalog_ranks, ndcg_at_k
+    from models.metrics import dot_catalog_ranks, full_catalog_ranks, ndcg_at_k
     from models.ranker import History, Ranker
 
     torch.manual_seed(0)
@@ -247,8 +247,11 @@ def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
     # two workers split the users and their sums add up to one worker's
     halves = [train_ranker._validate(model, val, n_items, 10, r, 2, "dot") for r in (0, 1)]
     assert sum(x[0] for x in halves) == pytest.approx(nd) and sum(x[2] for x in halves) == 5
-    served, _, _ = train_ranker._validate(model, val, n_items, 10, 0, 1, "served")
-    assert served != pytest.approx(nd)  # the served score adds the head: another ranking
+    # the served score adds the head: another ranking, and what "served" validation sums
+    served = full_catalog_ranks(model, h, torch.tensor(val["valid"]), exclude, n_items)
+    assert served.tolist() != want
+    nd_served, _, _ = train_ranker._validate(model, val, n_items, 10, 0, 1, "served")
+    assert nd_served == pytest.approx(float(ndcg_at_k(served).sum()))
     with pytest.raises(InputError, match="--val-score must be one of"):
         train_ranker.TrainConfig(val_score="mis")
 
