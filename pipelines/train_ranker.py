@@ -301,7 +301,7 @@ def train_loop(config: dict) -> None:
             "model": _unwrap(model).state_dict(),
             # what is validated and published: the average when there is one
             "published": (average.module if average is not None else _unwrap(model)).state_dict(),
-            "average": None if average is None else average.state_dict(),
+            "averaged_steps": 0 if average is None else int(average.n_averaged),
             "optimizer": opt.state_dict(),
             "epoch": epoch,
             "best": best,

@@ -190,16 +190,18 @@ def progress(state: dict | None) -> tuple[int, float, int, list]:
 def weight_average(model, decay: float, state: dict | None):
     """An exponential moving average of ``model``'s parameters (``torch.optim.swa_utils.
     AveragedModel``: ``update_parameters(model)`` after each optimizer step, ``.module`` to
-    score with), restored from ``state["average"]`` when a run continues; None when ``decay``
-    is 0. It starts as a copy of the weights and moves ``1 - decay`` of the way to the current
-    ones every step, so it averages roughly the last 1 / (1 - decay) steps."""
+    score with); None when ``decay`` is 0. It starts as a copy of the weights and moves
+    ``1 - decay`` of the way to the current ones every step, so it averages roughly the last
+    1 / (1 - decay) steps. A checkpoint keeps it as ``state["published"]`` (its weights) and
+    ``state["averaged_steps"]``, from which a continued run restores it."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     if not decay:
         return None
     average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
-    if state is not None and state.get("average") is not None:
-        average.load_state_dict(state["average"])
+    if state is not None and state.get("averaged_steps"):
+        average.module.load_state_dict(state["published"])
+        average.n_averaged.fill_(int(state["averaged_steps"]))
     return average
 
 

@@ -146,7 +146,7 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     # the average went on across the resume: it has seen every step of the three epochs
     last = training.list_checkpoints(storage.join(root, "train"))[-1][0]
     last_state = torch.load(training.open_file(last, "state.pt"), weights_only=False)
-    assert int(last_state["average"]["n_averaged"]) == sum(h["steps"] for h in history2)
+    assert last_state["averaged_steps"] == sum(h["steps"] for h in history2)
 
 
 def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
@@ -159,9 +159,13 @@ def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
         average.update_parameters(model)
         expected = w if expected is None else 0.75 * expected + 0.25 * w  # the first one copies
         assert average.module.weight.item() == pytest.approx(expected)
-    again = training.weight_average(model, 0.75, {"average": average.state_dict()})
+    model.weight.data.fill_(100.0)  # the raw weights a continued run starts from
+    saved = {"published": average.module.state_dict(), "averaged_steps": 4}
+    again = training.weight_average(model, 0.75, saved)
     assert again.module.weight.item() == pytest.approx(expected)
-    assert int(again.n_averaged) == 4
+    again.update_parameters(model)  # and it goes on averaging, not copying
+    assert again.module.weight.item() == pytest.approx(0.75 * expected + 25.0)
+    assert int(again.n_averaged) == 5
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
