@@ -299,8 +299,8 @@ def train_loop(config: dict) -> None:
         history.append(metrics)
         state = {
             "model": _unwrap(model).state_dict(),
-            # what is validated and published: the average when there is one
-            "published": (average.module if average is not None else _unwrap(model)).state_dict(),
+            # what is validated and published when there is an average (else: "model")
+            "published": None if average is None else average.module.state_dict(),
             "averaged_steps": 0 if average is None else int(average.n_averaged),
             "optimizer": opt.state_dict(),
             "epoch": epoch,
@@ -406,7 +406,8 @@ def train(
     best_dir, best = max(checkpoints, key=lambda e: e[1]["val_ndcg10"])
     state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=False)
     buf = io.BytesIO()
-    torch.save(state.get("published", state["model"]), buf)
+    published = state.get("published")  # None: no average (or a checkpoint from before it)
+    torch.save(state["model"] if published is None else published, buf)
     pub = storage.Publication(root)
     summary = {
         "job": "train_ranker",
