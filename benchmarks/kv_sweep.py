@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--low-ranks", default="4", help="R of the low-rank baselines (2 + 2 d_u)")
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
+    p.add_argument("--lr", type=float, default=1e-4, help="fine-tuning learning rate")
+    p.add_argument(
+        "--val-users",
+        type=int,
+        default=32,
+        help="users whose validation NDCG@10 picks the fine-tuning epoch",
+    )
     p.add_argument("--max-users", type=int, default=200, help="seeded sample of test users")
     p.add_argument(
         "--max-steps",
@@ -109,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     tc = TrainConfig(
         epochs=a.epochs,
         patience=a.epochs,
-        lr=5e-4,
-        val_users=32,
+        lr=a.lr,
+        val_users=a.val_users,
         negatives=63,
         max_steps=a.max_steps,
         ema_decay=0.0,  # as train_kv_pool: a one-epoch fine-tune, no weight average
@@ -214,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         "test_users": users.height,
         "fine_tune_epochs": a.epochs,
         "fine_tune_max_steps": a.max_steps or None,
+        "fine_tune_lr": a.lr,
+        "fine_tune_val_users": a.val_users,
         "states_of": "sampled test users" if a.sample_states else "all users",
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),

@@ -260,7 +260,7 @@ def train_loop(config: dict) -> None:
             if average is not None:
                 average.update_parameters(_unwrap(model))
             losses.append(loss.item())
-            aux_losses.append(float(out.aux_loss))
+            aux_losses.append(out.aux_loss.detach().item())
             steps += 1
             if rank == 0 and steps % 200 == 0:  # progress within long epochs
                 log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(losses)))
