@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--low-ranks", default="4", help="R of the low-rank baselines (2 + 2 d_u)")
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
-    p.add_argument("--lr", type=float, default=1e-4, help="fine-tuning learning rate")
+    p.add_argument("--lr", type=float, default=train_kv_pool.FINE_TUNE_LR, help="fine-tuning rate")
     p.add_argument(
         "--val-users",
         type=int,
