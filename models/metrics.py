@@ -1,6 +1,7 @@
 """Ranking metrics and the two evaluation protocols (full catalog, sampled negatives), in plain
 PyTorch on top of ``Ranker.prefill`` / ``score_tokens``. Ranks are 0-based: rank r means r
-items scored strictly higher than the target."""
+other items scored at least as high as the target. Ties count against the target, so a model
+that scores everything alike (collapsed, or untrained) ranks last, not first."""
 
 from __future__ import annotations
 
@@ -75,17 +76,18 @@ def _ranks(scores: Tensor, targets: Tensor, exclude: list[Tensor]) -> Tensor:
         if len(ex):
             scores[b, ex.to(scores.device)] = -math.inf
     scores.scatter_(1, targets[:, None], target_scores)  # the target itself is never excluded
-    return (scores > target_scores).sum(1)
+    return (scores >= target_scores).sum(1) - 1  # minus the target itself
 
 
 @torch.no_grad()
 def sampled_ranks(
     model: Ranker, history: History | Cache, targets: Tensor, negatives: Tensor
 ) -> Tensor:
-    """Rank of each target among itself and its sampled negatives (B, K) -> ranks (B,)."""
+    """Rank of each target among itself and its sampled negatives (B, K) -> ranks (B,); ties
+    count against the target."""
     cands = torch.cat([targets[:, None], negatives], dim=1)
     scores = model.score(_cache(model, history), cands)
-    return (scores[:, 1:] > scores[:, :1]).sum(1)
+    return (scores[:, 1:] >= scores[:, :1]).sum(1)
 
 
 def _cache(model: Ranker, history: History | Cache) -> Cache:

@@ -111,9 +111,14 @@ def eval_users(dataset_uri: str, max_users: int | None, seed: int) -> pl.DataFra
     )
 
 
-def popular_ranks(users: pl.DataFrame, n_items: int) -> tuple[np.ndarray, np.ndarray]:
-    """Most-popular baseline: counts over all users' inputs; ranks like the model's."""
-    counts = np.bincount(np.concatenate(users["input"].to_list()), minlength=n_items).astype(
+def popular_ranks(
+    users: pl.DataFrame, n_items: int, counted: pl.DataFrame | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Most-popular baseline for ``users``: items by their count in ``counted``'s inputs (all
+    users' histories + validation items; ``users`` themselves when not given), ranked like the
+    model's (ties, e.g. among the many items of equal small counts, count against the target)."""
+    counted = users if counted is None else counted
+    counts = np.bincount(np.concatenate(counted["input"].to_list()), minlength=n_items).astype(
         np.float64
     )
     sorted_counts = np.sort(counts)
@@ -122,10 +127,10 @@ def popular_ranks(users: pl.DataFrame, n_items: int) -> tuple[np.ndarray, np.nda
         users["input"].to_list(), users["test"].to_list(), users["negatives"].to_list(), strict=True
     ):
         c = counts[t]
-        higher = len(sorted_counts) - np.searchsorted(sorted_counts, c, side="right")
+        at_least = len(sorted_counts) - np.searchsorted(sorted_counts, c, side="left") - 1
         seen = np.unique(np.asarray(inp))
-        full.append(higher - int((counts[seen[seen != t]] > c).sum()))
-        sampled.append(int((counts[np.asarray(neg)] > c).sum()))
+        full.append(at_least - int((counts[seen[seen != t]] >= c).sum()))
+        sampled.append(int((counts[np.asarray(neg)] >= c).sum()))
     return np.array(full), np.array(sampled)
 
 
@@ -282,7 +287,8 @@ def evaluate(
             pl.col("sampled_rank").alias(f"{name}_sampled_rank"),
         )
         per_user = per_user.join(ranks, on="user_id", how="left")
-    pf, ps = popular_ranks(users, n_items)
+    # popularity counts every user's input, not only the sampled ones'
+    pf, ps = popular_ranks(users, n_items, eval_users(dataset_uri, None, seed))
     per_user = per_user.with_columns(
         pl.Series("most_popular_full_rank", pf), pl.Series("most_popular_sampled_rank", ps)
     )

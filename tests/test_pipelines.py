@@ -188,7 +188,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
 
 def test_metrics_on_a_hand_made_case():
     from models.config import RankerConfig
-    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k
+    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k, sampled_ranks
     from models.ranker import History, Ranker
 
     ranks = torch.tensor([0, 1, 9, 10, 500])
@@ -211,10 +211,25 @@ def test_metrics_on_a_hand_made_case():
     )
     assert got.tolist() == [3, 5]  # user 0: items 0, 3, 4 beat 5; user 1: 0..4 (5 is the target)
 
+    # ties count against the target: a model that scores every item alike ranks it last
+    model.score_tokens = lambda cache, tokens: torch.zeros(len(cache.lengths), tokens.shape[-2])
+    got = full_catalog_ranks(
+        model, h, torch.tensor([5, 5]), [torch.tensor([1, 2]), torch.tensor([5])], 20, chunk=7
+    )
+    assert got.tolist() == [17, 19] and ndcg_at_k(got).sum() == 0
+    tied = sampled_ranks(model, h, torch.tensor([5, 5]), torch.tensor([[0, 1], [2, 3]]))
+    assert tied.tolist() == [2, 2]
+
     users = pl.DataFrame({"input": [[0, 0, 1], [2]], "test": [1, 3], "negatives": [[2, 3], [0, 1]]})
     full, sampled = evaluate.popular_ranks(users, 4)
-    # counts: item0 2, item1 1, item2 1, item3 0
-    assert full.tolist() == [0, 2] and sampled.tolist() == [0, 2]
+    # counts: item0 2, item1 1, item2 1, item3 0; user 0's item1 ties with item2 (ranked above it)
+    assert full.tolist() == [1, 2] and sampled.tolist() == [1, 2]
+    # counted over more users than are evaluated (a sampled evaluation): item3 now leads
+    everyone = pl.concat(
+        [users, pl.DataFrame({"input": [[3, 3, 3]], "test": [0], "negatives": [[1]]})]
+    )
+    full, sampled = evaluate.popular_ranks(users, 4, everyone)
+    assert full.tolist() == [2, 0] and sampled.tolist() == [2, 0]
 
 
 def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
