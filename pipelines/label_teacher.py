@@ -2,14 +2,15 @@
 
     python -m pipelines.label_teacher --dataset-uri out/datasets/ml-latest-small \\
         --teacher out/teachers/ml-latest-small-teacher --out out \\
-        [--cuts 4] [--negatives 31] [--max-len 50] [--passes 1] [--actors N] [--seed 0]
-        [--engine hf|vllm]
+        [--cuts 4] [--negatives 31] [--max-len 50] [--passes 1] [--max-windows N]
+        [--actors N] [--seed 0] [--engine hf|vllm]
 
 The examples are fixed here, so that the teacher's scores and the ranker's meet on the same
 candidates: every user's history cut into windows of ``--max-len`` + 1 items (as train_ranker
 cuts them), and per window - ``--passes`` times, with different draws - a window, ``--cuts`` cut
 points and per cut the positive and ``--negatives`` uniform negatives (``models.batches``, one
-seeded generator per row, so a rerun draws the same examples). An actor pool of teachers scores
+seeded generator per row, so a rerun draws the same examples; ``--max-windows`` labels a
+seeded sample of the windows when all of them would take too long). An actor pool of teachers scores
 every candidate (one prompt each) in batches: Hugging Face forwards (``--engine hf``, the
 default) or a vLLM engine per actor (``--engine vllm``, ``pipelines.vllm_engine``: the same
 logits, with a user's prompts sharing their cached history prefix). Written to
@@ -74,16 +75,28 @@ class TeacherLabeler:
 
 
 def fixed_examples(
-    seqs, *, n_items: int, max_len: int, cuts: int, negatives: int, passes: int, seed: int
+    seqs,
+    *,
+    n_items: int,
+    max_len: int,
+    cuts: int,
+    negatives: int,
+    passes: int,
+    seed: int,
+    max_windows: int = 0,
 ) -> pa.Table:
     """The rows to label: windows, cut points and candidates, drawn once with a seeded
-    generator per (pass, window)."""
+    generator per (pass, window); ``max_windows`` > 0 keeps a seeded sample of the windows (a
+    window keeps its draws whether or not others are sampled)."""
     from models.batches import sample_candidates, sample_window
 
-    windows = training_windows(seqs, max_len)
+    windows = training_windows(seqs, max_len).with_row_index("window")
+    if 0 < max_windows < windows.height:
+        keep = np.random.default_rng([seed, 1 << 20]).choice(windows.height, max_windows, False)
+        windows = windows[np.sort(keep)]
     uid, hv, hf, ct, cd = [], [], [], [], []
     for p in range(passes):
-        for i, (u, v, f) in enumerate(windows.iter_rows()):
+        for i, u, v, f in windows.iter_rows():
             rng = np.random.default_rng([seed, p, i])
             wv, wf = sample_window(np.asarray(v), np.asarray(f), rng, max_len)
             t, cands = sample_candidates(wv, rng, n_items=n_items, cuts=cuts, negatives=negatives)
@@ -113,6 +126,7 @@ def label(
     negatives: int = 31,
     max_len: int = 50,
     passes: int = 1,
+    max_windows: int = 0,
     seed: int = 0,
     actors: int = 0,
     batch_size: int = 64,
@@ -131,6 +145,8 @@ def label(
             raise InputError(f"--{name} must be > 0, got {value}")
     if passes <= 0:
         raise InputError(f"--passes must be > 0, got {passes}")
+    if max_windows < 0:
+        raise InputError(f"--max-windows must be >= 0 (0: every window), got {max_windows}")
     t0 = time.perf_counter()
     dataset_uri, out, teacher = (storage.absolute(x) for x in (dataset_uri, out, teacher))
     marker = storage.read_marker(dataset_uri)
@@ -149,6 +165,7 @@ def label(
         negatives=negatives,
         passes=passes,
         seed=seed,
+        max_windows=max_windows,
     )
     init_ray()
     gpu = engine == "vllm" and cluster_gpus() > 0
@@ -180,6 +197,7 @@ def label(
                 "negatives": negatives,
                 "max_len": max_len,
                 "passes": passes,
+                "max_windows": max_windows or None,
                 "seed": seed,
                 "engine": engine,
             }
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--negatives", type=int, default=31, help="uniform negatives per cut")
     p.add_argument("--max-len", type=int, default=50, help="history items per window")
     p.add_argument("--passes", type=int, default=1, help="draws of examples per window")
+    p.add_argument(
+        "--max-windows", type=int, default=0, help="label a seeded sample of windows (0: all)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--actors", type=int, default=0, help="teacher actors (0: CPUs - 1)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per teacher forward")
@@ -227,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             negatives=a.negatives,
             max_len=a.max_len,
             passes=a.passes,
+            max_windows=a.max_windows,
             seed=a.seed,
             actors=a.actors,
             batch_size=a.batch_size,

@@ -56,6 +56,23 @@ def test_training_batch_takes_labelled_cuts_and_candidates_as_given():
         batch([1, 4])
 
 
+def test_a_sample_of_windows_keeps_each_windows_draws():
+    seqs = pl.DataFrame(
+        {
+            "user_id": [1, 2, 3],
+            "hist": [list(range(10, 22)), [3, 4, 5], list(range(30, 37))],
+            "hist_fb": [[0] * 12, [1] * 3, [2] * 7],
+        }
+    )
+    kw = dict(n_items=60, max_len=4, cuts=2, negatives=3, passes=2, seed=7)
+    every = label_teacher.fixed_examples(seqs, **kw).to_pylist()
+    some = label_teacher.fixed_examples(seqs, max_windows=3, **kw).to_pylist()
+    n_windows = len(every) // 2  # two passes
+    assert n_windows == 3 + 1 + 2 and len(some) == 2 * 3
+    assert all(row in every for row in some)  # the same window, cuts and candidates as in all
+    assert label_teacher.fixed_examples(seqs, max_windows=3, **kw).to_pylist() == some
+
+
 def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     out, ds = tiny["out"], tiny["dataset"]
     base = ["--dataset-uri", ds, "--out", out, "--run", "t", *TINY_TEACHER]
