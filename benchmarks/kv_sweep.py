@@ -19,12 +19,15 @@ prints the table.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import numpy as np
 import torch
 
 from benchmarks.report import machine, write
+
+log = logging.getLogger("kvrank.kv_sweep")
 
 
 def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 32) -> np.ndarray:
@@ -35,7 +38,11 @@ def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 3
     out = []
     inputs, fbs = users["input"].to_list(), users["input_fb"].to_list()
     tests = users["test"].to_list()
+    t0, every = time.perf_counter(), max(1, len(tests) // batch // 10) * batch
     for s in range(0, len(tests), batch):
+        if s and s % every == 0:
+            rate = s / (time.perf_counter() - t0)
+            log.info("scored %d/%d test users (%.1f users/s)", s, len(tests), rate)
         hist = [np.asarray(h, dtype=np.int64) for h in inputs[s : s + batch]]
         fb = [np.asarray(f, dtype=np.int64) for f in fbs[s : s + batch]]
         cache = cache_fn(history_batch(hist, fb, max_len), slice(s, s + batch))
@@ -57,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipelines import build_user_states, states, storage, train_kv_pool
     from pipelines.data import load_ranker
     from pipelines.evaluate import eval_users
+    from pipelines.jobs import setup_logging
     from pipelines.train_ranker import TrainConfig
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_sweep")
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = set(shares) - {"kv", "k", "v"}
     if bad:
         p.error(f"--shares takes kv, k and v, not {sorted(bad)}")
+    setup_logging()  # the fitting jobs' epoch lines and the scoring progress, on stderr
     torch.set_num_threads(2)
     dataset_uri = storage.absolute(a.dataset_uri)
     checkpoint = storage.absolute(a.checkpoint)
@@ -127,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     def add(method: str, ratio: float, ranks: np.ndarray, **extra) -> None:
         nd, hr = ndcg(ranks)
         rows.append({"method": method, "ratio": round(ratio, 5), "ndcg10": nd, "hr10": hr} | extra)
-        print(f"{method:<34} ratio {ratio:8.5f}  NDCG@10 {nd:.4f}  HR@10 {hr:.4f}  {extra}")
+        print(
+            f"{method:<34} ratio {ratio:8.5f}  NDCG@10 {nd:.4f}  HR@10 {hr:.4f}  {extra}",
+            flush=True,
+        )
 
     t0 = time.perf_counter()
     full_ranks = ranks_for(base, users, max_len, n_items, lambda h, _: base.prefill(h))

@@ -24,10 +24,9 @@ from pipelines import (
     states,
     storage,
     train_kv_pool,
-    train_ranker,
 )
 from tests.test_ranker import tiny_ranker
-from tests.tiny import N_USERS, TINY_SHAPE, TINY_TRAIN, run_json
+from tests.tiny import N_USERS, TINY_TRAIN, run_json, train_tiny_base
 
 
 def tiny_ckv_ranker(user_dim: int = 2, share: str = "kv") -> Ranker:
@@ -103,12 +102,7 @@ def test_router_use_and_collapse_detection():
 
 def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
     out, ds = tiny["out"], tiny["dataset"]
-    base = run_json(
-        capsys,
-        train_ranker.main,
-        ["--dataset-uri", ds, "--out", out, "--run", "base", "--item-input", "id"]
-        + ["--epochs", "1", *TINY_SHAPE],
-    )
+    base = train_tiny_base(capsys, ds, out)
     analysis = run_json(
         capsys,
         analyze_kv.main,

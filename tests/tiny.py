@@ -71,6 +71,20 @@ TINY_TRAIN = ["--batch-size", "8", "--cuts", "2", "--negatives", "5", "--val-use
 TINY_TRAIN += ["--max-len", "10"]
 TINY_SHAPE = TINY_MODEL + TINY_TRAIN
 
+
+def train_tiny_base(capsys, ds: str, out: str) -> dict:
+    """train_ranker's summary for a one-epoch tiny id ranker, run "base" (the model the
+    CollectiveKV jobs start from)."""
+    from pipelines import train_ranker
+
+    return run_json(
+        capsys,
+        train_ranker.main,
+        ["--dataset-uri", ds, "--out", out, "--run", "base", "--item-input", "id"]
+        + ["--epochs", "1", *TINY_SHAPE],
+    )
+
+
 # a teacher of a few CPU-seconds for train_teacher: head size 64 (what vLLM's CPU attention
 # takes), short prompts
 TINY_TEACHER = ["--d-model", "64", "--n-heads", "1", "--ffn-dim", "64", "--max-length", "96"]
