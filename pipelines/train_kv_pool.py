@@ -8,7 +8,9 @@
 
 1. **Collect** (Ray Data): an actor pool runs the trained ranker over a seeded sample of users'
    histories and returns, per layer, the hidden states K and V are projected from
-   (``Ranker.kv_inputs``), up to ``--init-tokens`` cached tokens in all.
+   (``Ranker.kv_inputs``), up to ``--init-tokens`` cached tokens in all. By default it takes
+   as many users as those tokens need (``--init-users`` caps the users instead): amazon's
+   histories are short, and 512 users gave 1,024 pool entries only ~4,000 tokens to fit.
 2. **Initialise**: per layer the shared part of K and of V is vector-quantised by k-means into
    the pool (``models.collective_kv.init_from_projections``). k-means rather than an SVD
    because a CollectiveKV token reads exactly ONE pool entry: that is a codebook, and k-means is
@@ -72,6 +74,20 @@ class KVInputs(RankerActor):
         return out
 
 
+def sample_users(
+    seqs: pl.DataFrame, rng: np.random.Generator, *, users: int, max_tokens: int, max_len: int
+) -> pl.DataFrame:
+    """``users`` random users, or with ``users`` 0 the fewest random users whose cached tokens
+    (the last ``max_len`` history items and the first token each) reach ``max_tokens``."""
+    order = rng.permutation(seqs.height)
+    if users:
+        order = order[:users]
+    else:
+        tokens = seqs["hist"].list.len().clip(upper_bound=max_len).to_numpy()[order] + 1
+        order = order[: int(np.searchsorted(np.cumsum(tokens), max_tokens)) + 1]
+    return seqs[np.sort(order)]
+
+
 def collect_kv_inputs(
     checkpoint: str,
     dataset_uri: str,
@@ -84,8 +100,8 @@ def collect_kv_inputs(
     seed: int = 0,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """(per layer x (N, d_model), user id per row) for up to ``max_tokens`` cached tokens of
-    ``users`` seeded random users with ``min_history``+ history items (their training
-    histories), via a Ray Data actor pool."""
+    seeded random users with ``min_history``+ history items (their training histories), via a
+    Ray Data actor pool: ``users`` of them, or with ``users`` 0 as many as the tokens need."""
 
     seqs = user_sequences(dataset_uri).select("user_id", "hist", "hist_fb")
     seqs = seqs.filter(pl.col("hist").list.len() >= max(1, min_history))
@@ -95,7 +111,8 @@ def collect_kv_inputs(
             "V from"
         )
     rng = np.random.default_rng(seed)
-    seqs = seqs[np.sort(rng.choice(seqs.height, size=min(users, seqs.height), replace=False))]
+    max_len = int(storage.read_json(storage.join(checkpoint, "train.json"))["max_len"])
+    seqs = sample_users(seqs, rng, users=users, max_tokens=max_tokens, max_len=max_len)
     res = map_with_rankers(
         seqs.to_arrow(), KVInputs, checkpoint, vectors_uri, actors=actors, batch_size=16
     )
@@ -119,7 +136,7 @@ def fit(
     tc,
     kv_rank: int = 0,
     init: str = "fit",
-    init_users: int = 512,
+    init_users: int = 0,
     init_tokens: int = 50_000,
     resume: bool = False,
 ) -> dict:
@@ -242,8 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         default="fit",
         help="fit: k-means pools (or PCA for --kv-rank) from the trained KV; random: from scratch",
     )
-    g.add_argument("--init-users", type=int, default=512)
-    g.add_argument("--init-tokens", type=int, default=50_000)
+    g.add_argument(
+        "--init-users",
+        type=int,
+        default=0,
+        help="users whose KV the pools are fitted to (0: as many as --init-tokens need)",
+    )
+    g.add_argument("--init-tokens", type=int, default=50_000, help="cached tokens to fit")
     add_train_args(p)
     # fine-tuning from a trained ranker needs far fewer epochs than training it; over so few
     # steps a weight average would mostly hold the starting weights, so it is off; the low
@@ -266,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(str(e)) from e
         if a.kv_rank < 0:
             raise InputError(f"--kv-rank must be >= 0, got {a.kv_rank}")
-        if a.init_users <= 0 or a.init_tokens <= 0:
-            raise InputError("--init-users and --init-tokens must be > 0")
+        if a.init_users < 0 or a.init_tokens <= 0:
+            raise InputError("--init-users must be >= 0 and --init-tokens > 0")
         return fit(
             a.dataset_uri,
             a.checkpoint,

@@ -100,6 +100,19 @@ def test_router_use_and_collapse_detection():
     assert build_user_states.collapsed(use) == ["layer 1 v"]
 
 
+def test_the_pools_are_fitted_to_enough_users_for_the_token_budget():
+    seqs = pl.DataFrame({"user_id": range(100), "hist": [[1, 2, 3]] * 50 + [list(range(80))] * 50})
+    rng = np.random.default_rng
+    picked = train_kv_pool.sample_users(seqs, rng(0), users=0, max_tokens=200, max_len=50)
+    tokens = picked["hist"].list.len().clip(upper_bound=50) + 1  # 4 or 51 a user
+    # the fewest users that reach the budget: all but the last are under it
+    assert tokens.sum() >= 200 > tokens.sum() - tokens.max() and picked.height < 100
+    assert picked["user_id"].is_sorted() and picked["user_id"].is_unique().all()
+    assert train_kv_pool.sample_users(seqs, rng(0), users=7, max_tokens=200, max_len=50).height == 7
+    everyone = train_kv_pool.sample_users(seqs, rng(0), users=0, max_tokens=10**6, max_len=50)
+    assert everyone.height == 100
+
+
 def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
     out, ds = tiny["out"], tiny["dataset"]
     base = train_tiny_base(capsys, ds, out)
@@ -127,7 +140,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         capsys,
         train_kv_pool.main,
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
-        + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2", "--init-users", "40"]
+        + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2"]
         + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN],
     )
     assert fit["init_tokens"] == 100 and fit["pool_size"] == 16

@@ -1,0 +1,41 @@
+"""benchmarks.kv_sweep end to end on the tiny dataset: every row fitted, its states stored and
+read back, and its ratio the closed form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import kv_sweep
+from tests.tiny import train_tiny_base
+
+
+def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
+    tiny, ray_local, tmp_path, capsys
+):
+    ds, out = tiny["dataset"], tiny["out"]
+    base = train_tiny_base(capsys, ds, out)
+    path = tmp_path / "sweep.json"
+    kv_sweep.main(
+        ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
+        + ["--configs", "16:2", "--low-ranks", "4", "--max-users", "20"]
+        + ["--max-steps", "2", "--val-users", "8", "--sample-states", "--json", str(path)]
+    )
+    result = json.loads(path.read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    # per token and layer: fp16 K and V of width 32 are 128 bytes; int8 adds a scale per head;
+    # CollectiveKV stores two uint16 indices and 2 d_u fp16 user numbers; low-rank R fp16 numbers
+    expected = {
+        "uncompressed fp16 KV": 1.0,
+        "int8 KV (scale per token, head)": (2 * (32 + 2 * 2)) / 128,
+        "low-rank KV, R=4": 4 * 2 / 128,
+        "CollectiveKV M=16 d_u=2": (2 * 2 + 2 * 2 * 2) / 128,
+    }
+    assert {m: r["ratio"] for m, r in rows.items()} == pytest.approx(expected, abs=1e-5)
+    assert result["test_users"] == 20 and result["states_of"] == "sampled test users"
+    for r in rows.values():
+        assert 0 <= r["ndcg10"] <= r["hr10"] <= 1
+    ckv = rows["CollectiveKV M=16 d_u=2"]
+    assert 0 < ckv["router_use"] <= 1 and ckv["collapsed"] == []
+    assert "| CollectiveKV M=16 d_u=2 |" in capsys.readouterr().out
