@@ -58,6 +58,7 @@ from pipelines.training import (
     add_config_args,
     all_sum,
     config_from_args,
+    epoch_shuffled,
     fit,
     open_file,
     out_of_time,
@@ -332,7 +333,6 @@ def train(
     ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
     label_teacher folder) the epochs run over its labelled examples, with the distillation
     term."""
-    import ray
 
     from pipelines.ray_runtime import init_ray
 
@@ -370,7 +370,7 @@ def train(
         torch.save(init_state, buf)
         storage.write_bytes(init_uri, buf.getvalue())
     init_ray()
-    ds = ray.data.from_arrow(train_rows.to_arrow())
+    ds = epoch_shuffled(train_rows.to_arrow(), tc.seed, train_root)
     config = {
         "train": dataclasses.asdict(tc),
         "ranker": rc.to_dict(),

@@ -46,6 +46,7 @@ from pipelines.training import (
     add_config_args,
     all_sum,
     config_from_args,
+    epoch_shuffled,
     fit,
     open_file,
     out_of_time,
@@ -225,7 +226,6 @@ def train(
     resume: bool = False,
 ) -> dict:
     """Train the teacher and publish its best epoch; returns the job summary."""
-    import ray
 
     from models.teacher import TextTeacher
     from pipelines.ray_runtime import init_ray
@@ -262,7 +262,7 @@ def train(
         train_loop,
         config,
         train_root=train_root,
-        datasets={"train": ray.data.from_arrow(rows.to_arrow())},
+        datasets={"train": epoch_shuffled(rows.to_arrow(), tc.seed, train_root)},
         workers=tc.workers,
         use_gpu=tc.use_gpu,
         max_failures=tc.max_failures,

@@ -1,5 +1,6 @@
 """What the Ray Train jobs (train_ranker, train_kv_pool, train_teacher) share on the driver side:
-a run's checkpoint history across attempts, the resume rule, and the TorchTrainer they fit.
+a run's checkpoint history across attempts, the resume rule, the training rows in a new order
+every epoch, and the TorchTrainer they fit.
 
 A run keeps every attempt's checkpoints under ``<out>/<kind>/<run>/train/attempt-*/``; each
 checkpoint folder holds ``state.pt`` (whatever the loop needs to continue) and ``metrics.json``
@@ -116,6 +117,27 @@ def resume_point(train_root: str, run: str, resume: bool) -> str | None:
         log.info("resuming from %s", previous[-1][0])
         return previous[-1][0]
     return None
+
+
+def epoch_shuffled(table, seed: int, train_root: str):
+    """A Ray dataset of ``table``'s rows in a new seeded order every epoch.
+
+    Ray Data executes a Train dataset once per epoch; with ``reseed_after_execution`` its
+    shuffle draws from (seed, execution index), so every epoch's batches differ and a rerun
+    repeats them. Without it each epoch would replay one order, and a ``--max-steps`` cap
+    would train every epoch on the same first windows. A resumed run folds the epochs it
+    already has into the seed, so its epochs do not replay the first run's orders."""
+    import numpy as np
+    import ray
+    from ray.data import RandomSeedConfig
+
+    done = len(list_checkpoints(train_root))
+    run_seed = int(np.random.SeedSequence([seed, done]).generate_state(1)[0])
+    # the shuffle's tasks take a sliver of a CPU: the trainer's workers hold the rest, and a
+    # whole-CPU task would wait for them forever
+    return ray.data.from_arrow(table).random_shuffle(
+        seed=RandomSeedConfig(seed=run_seed, reseed_after_execution=True), num_cpus=0.1
+    )
 
 
 def fit(

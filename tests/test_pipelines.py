@@ -149,6 +149,30 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     assert last_state["averaged_steps"] == sum(h["steps"] for h in history2)
 
 
+def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_path):
+    import pyarrow as pa
+
+    table = pa.table({"row": np.arange(200)})
+
+    def epochs(seed, root, n=2):
+        it = training.epoch_shuffled(table, seed, str(root)).streaming_split(1, equal=True)[0]
+        return [
+            [int(x) for b in it.iter_batches(batch_size=50, batch_format="numpy") for x in b["row"]]
+            for _ in range(n)
+        ]
+
+    first, second = epochs(0, tmp_path / "a")
+    assert sorted(first) == sorted(second) == list(range(200))  # each epoch every row once
+    assert first != second and first[:50] != second[:50]  # a capped epoch sees other rows
+    assert epochs(0, tmp_path / "b") == [first, second]  # a rerun repeats them
+    assert epochs(1, tmp_path / "c")[0] != first
+    # a resumed run (one epoch already checkpointed) does not replay the first run's order
+    done = tmp_path / "d" / "attempt-1" / "checkpoint_0"
+    done.mkdir(parents=True)
+    (done / "metrics.json").write_text(json.dumps({"epoch": 0}))
+    assert epochs(0, tmp_path / "d", n=1)[0] not in (first, second)
+
+
 def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
     model = torch.nn.Linear(1, 1, bias=False)
     assert training.weight_average(model, 0.0, None) is None  # off
