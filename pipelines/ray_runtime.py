@@ -16,6 +16,7 @@ import ray
 log = logging.getLogger("kvrank.ray")
 
 LOCAL_OBJECT_STORE = 512 * 1024 * 1024
+EMBEDDED_SETUP_HOOK = "pipelines.ray_runtime.embedded_worker_setup"  # run in each worker
 
 
 def init_ray() -> None:
@@ -31,8 +32,19 @@ def init_ray() -> None:
         include_dashboard=False,
         object_store_memory=LOCAL_OBJECT_STORE,
         log_to_driver=True,
+        runtime_env={"worker_process_setup_hook": EMBEDDED_SETUP_HOOK},
     )
     log.info("started an embedded local Ray (%s CPUs)", ray.cluster_resources().get("CPU"))
+
+
+def embedded_worker_setup() -> None:
+    """Runs in every worker process of the embedded Ray. Without a dashboard there is no State
+    API, and Ray Train's placement-group cleaner (a safety net for a dead controller, which an
+    in-process Ray takes down with the driver anyway) warns that it cannot reach it every
+    second of a training run; those lines would bury the job's own progress."""
+    logging.getLogger(
+        "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+    ).setLevel(logging.ERROR)
 
 
 def cluster_gpus() -> int:

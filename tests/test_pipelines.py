@@ -173,6 +173,28 @@ def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_pat
     assert epochs(0, tmp_path / "d", n=1)[0] not in (first, second)
 
 
+def test_the_embedded_rays_workers_silence_the_state_api_warnings():
+    import importlib
+    import logging
+
+    from pipelines import ray_runtime
+
+    module, name = ray_runtime.EMBEDDED_SETUP_HOOK.rsplit(".", 1)
+    cleaner = logging.getLogger(
+        "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+    )
+    before = cleaner.level
+    try:
+        getattr(importlib.import_module(module), name)()  # as Ray's worker resolves the hook
+        assert not cleaner.isEnabledFor(logging.WARNING) and cleaner.isEnabledFor(logging.ERROR)
+    finally:
+        cleaner.setLevel(before)
+    # the logger named is the one the cleaner logs to in this Ray
+    from ray.train.v2._internal.execution.controller import placement_group_cleaner
+
+    assert placement_group_cleaner.logger.name == cleaner.name
+
+
 def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
     model = torch.nn.Linear(1, 1, bias=False)
     assert training.weight_average(model, 0.0, None) is None  # off
