@@ -54,6 +54,7 @@ def _nested(cls: type, name: str, value: Any) -> Any:
 
 ITEM_INPUTS = ("text", "id", "text+id")  # RankerConfig.item_input
 ADAPTERS = ("linear", "mlp")  # RankerConfig.adapter
+TEACHER_KINDS = ("causal", "cross")  # TeacherConfig.kind
 
 
 def _check(cond: bool, cls: str, msg: str) -> None:
@@ -243,13 +244,21 @@ class RankerConfig(_JsonConfig):
 
 @dataclass(frozen=True)
 class TeacherConfig(_JsonConfig):
-    """The full-text teacher: a causal LM over a prompt, scored by the logit of a "yes" token.
+    """The full-text teacher, one of two kinds (``kind``):
 
-    With ``model_dir`` None a small Llama is built locally (random init) with the tokenizer of
-    the shipped MiniLM, so it runs on a CPU with nothing downloaded; a pretrained causal-LM
-    directory (tokenizer + weights) plugs in through ``model_dir``.
+    - ``causal``: a causal LM over a prompt, scored by the logit of a "yes" token - the form vLLM
+      serves with prefix caching. With ``model_dir`` None a small Llama is built locally (random
+      init) with the tokenizer of the shipped MiniLM, so it runs on a CPU with nothing
+      downloaded; a pretrained causal-LM directory (tokenizer + weights) plugs in through
+      ``model_dir``.
+    - ``cross``: a bidirectional encoder over the pair (candidate title, history titles),
+      scored by a linear head - a cross-encoder. With ``model_dir`` None it starts from the
+      shipped MiniLM's pretrained weights (``init_from_encoder``; False: its shape, random
+      weights); a saved cross-encoder or any local BERT-style directory plugs in instead.
+      ``d_model``, ``n_layers``, ``n_heads``, ``ffn_dim`` and ``yes_token`` do not apply.
     """
 
+    kind: str = "causal"
     model_dir: str | None = None
     d_model: int = 128  # the local default model's shape (ignored with model_dir)
     n_layers: int = 2
@@ -265,6 +274,11 @@ class TeacherConfig(_JsonConfig):
 
     def __post_init__(self) -> None:
         c = "TeacherConfig"
+        _check(
+            self.kind in TEACHER_KINDS,
+            c,
+            f"kind must be one of {', '.join(TEACHER_KINDS)}, got {self.kind!r}",
+        )
         _check(self.max_length > 16, c, f"max_length must be > 16, got {self.max_length}")
         _check(self.max_history > 0, c, f"max_history must be > 0, got {self.max_history}")
         _check(

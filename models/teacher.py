@@ -1,11 +1,20 @@
-"""The full-text teacher: a causal LM reads a prompt of the user's history titles (with
-feedback) and one candidate title; its score is the logit of the "yes" token at the end.
+"""The full-text teacher: one full forward per candidate over text, where the ranker reads one
+vector per item - what DuoLM distils from and measures against. Two kinds
+(``TeacherConfig.kind``), the same interface (``prompts``, ``tokenize``, ``forward``, ``score``,
+``save``; ``build_teacher`` picks one):
 
-This is what DuoLM distils from and measures against: one full forward per candidate over
-text, where the ranker reads one vector per item. With ``TeacherConfig.model_dir`` None it
-is a small Llama built here (random init, tokenizer of the shipped MiniLM), so it runs on a CPU
-with nothing downloaded; any local Hugging Face causal-LM directory plugs in instead. The
-teacher knows nothing about datasets or Ray.
+- ``TextTeacher`` (causal): a causal LM reads a prompt of the user's history titles (with
+  feedback) and one candidate title; its score is the logit of the "yes" token at the end. A
+  user's prompts share the history prefix, so vLLM serves it with prefix caching: the serving
+  baseline. With ``model_dir`` None it is a small Llama built here (tokenizer of the shipped
+  MiniLM), so it runs on a CPU with nothing downloaded; any local causal-LM directory plugs in.
+- ``CrossEncoderTeacher`` (cross): the shipped MiniLM, pretrained, reads the pair (candidate
+  title, history titles newest first) with full attention between the two, and a linear head on
+  its pooled output is the score - a cross-encoder, the strongest text teacher that trains on a
+  CPU: from-scratch causal LMs of the size a CPU trains stay weaker than the ranker. It has no
+  shared prefix (every token sees the candidate), so vLLM does not serve it.
+
+The teachers know nothing about datasets or Ray.
 """
 
 from __future__ import annotations
@@ -64,6 +73,18 @@ def build_prompt(ex: TeacherExample, max_history: int) -> str:
     )
 
 
+def cross_pair(ex: TeacherExample, max_history: int) -> tuple[str, str]:
+    """The cross-encoder's input: (candidate title, the most recent ``max_history`` history
+    titles with feedback, newest first), so that cutting the pair's end drops the oldest."""
+    titles = ex.history_titles[-max_history:][::-1]
+    feedback = ex.history_feedback[-max_history:][::-1]
+    parts = []
+    for title, f in zip(titles, feedback, strict=True):
+        word = FEEDBACK_WORDS.get(int(f), "")
+        parts.append(f"{title} ({word})" if word else title)
+    return ex.candidate_title, "; ".join(parts) if parts else "(nothing yet)"
+
+
 def yes_token_id(tokenizer, yes_token: str) -> int:
     """The id whose logit is the teacher's score: the first token of ``yes_token``."""
     ids = tokenizer(yes_token, add_special_tokens=False)["input_ids"]
@@ -81,7 +102,27 @@ def prompt_token_ids(tokenizer, prompts: list[str], max_length: int) -> list[lis
     return [list(ids) for ids in out["input_ids"]]
 
 
-class TextTeacher(nn.Module):
+class _Teacher(nn.Module):
+    """What both kinds share: ``score`` = prompts -> tokenize -> forward, in batches."""
+
+    def prompts(self, examples: list[TeacherExample]) -> list:
+        raise NotImplementedError
+
+    def tokenize(self, prompts: list) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def score(self, examples: list[TeacherExample], batch_size: int = 16) -> Tensor:
+        """One logit per example, (N,) float32 on the CPU."""
+        prompts = self.prompts(examples)
+        out = [
+            self.forward(self.tokenize(prompts[i : i + batch_size])).float().cpu()
+            for i in range(0, len(prompts), batch_size)
+        ]
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+class TextTeacher(_Teacher):
     """Causal LM + tokenizer; ``score`` gives one logit per example."""
 
     def __init__(self, cfg: TeacherConfig | None = None) -> None:
@@ -171,16 +212,71 @@ class TextTeacher(nn.Module):
         ).logits
         return logits[:, -1, self.yes_id]
 
-    @torch.no_grad()
-    def score(self, examples: list[TeacherExample], batch_size: int = 16) -> Tensor:
-        prompts = self.prompts(examples)
-        out = [
-            self.forward(self.tokenize(prompts[i : i + batch_size])).float().cpu()
-            for i in range(0, len(prompts), batch_size)
-        ]
-        return torch.cat(out) if out else torch.zeros(0)
-
     def save(self, path: str) -> None:
         """Hugging Face format: the directory loads back as ``TeacherConfig(model_dir=path)``."""
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+
+class CrossEncoderTeacher(_Teacher):
+    """Pretrained bidirectional encoder + one-logit head over (candidate, history) pairs;
+    ``score`` gives one logit per example. Saved and loaded in Hugging Face format
+    (``AutoModelForSequenceClassification`` with one label)."""
+
+    def __init__(self, cfg: TeacherConfig | None = None) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        self.cfg = cfg = cfg or TeacherConfig(kind="cross")
+        src = cfg.model_dir or default_model_dir()
+        self.tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
+        # the head is new when starting from a plain encoder: Hugging Face's warning says so
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            if cfg.model_dir or cfg.init_from_encoder:
+                self.model = AutoModelForSequenceClassification.from_pretrained(
+                    src, num_labels=1, local_files_only=True
+                )
+            else:
+                torch.manual_seed(cfg.seed)
+                shape = AutoConfig.from_pretrained(src, num_labels=1, local_files_only=True)
+                self.model = AutoModelForSequenceClassification.from_config(shape)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        self.model.eval()
+
+    def prompts(self, examples: list[TeacherExample]) -> list[tuple[str, str]]:
+        return [cross_pair(ex, self.cfg.max_history) for ex in examples]
+
+    def tokenize(self, pairs: list[tuple[str, str]]) -> dict[str, Tensor]:
+        """Right-padded; past ``max_length`` the longer part is cut from its end first - nearly
+        always the history, whose end is its oldest items - so the candidate survives whole."""
+        self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "right"
+        first = [a for a, _ in pairs]
+        second = [b for _, b in pairs]
+        return self.tokenizer(
+            first,
+            second,
+            padding=True,
+            truncation="longest_first",
+            max_length=self.cfg.max_length,
+            return_tensors="pt",
+        )
+
+    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+        """Tokenized pairs -> one logit per pair, (B,)."""
+        dev = next(self.model.parameters()).device
+        return self.model(**{k: v.to(dev) for k, v in batch.items()}).logits[:, 0]
+
+    def save(self, path: str) -> None:
+        """Hugging Face format: loads back as ``TeacherConfig(kind="cross", model_dir=path)``."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def build_teacher(cfg: TeacherConfig) -> TextTeacher | CrossEncoderTeacher:
+    """The teacher ``cfg.kind`` names."""
+    return CrossEncoderTeacher(cfg) if cfg.kind == "cross" else TextTeacher(cfg)

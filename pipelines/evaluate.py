@@ -220,10 +220,10 @@ def evaluate(
 ) -> dict:
     import ray
 
-    from pipelines.vllm_engine import check_engine
+    from pipelines.train_teacher import teacher_for_engine
 
     if teacher:
-        check_engine(teacher_engine)  # fail here, not in every actor
+        teacher_for_engine(teacher, teacher_engine)  # fail here, not in every actor
 
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)

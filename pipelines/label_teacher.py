@@ -136,6 +136,7 @@ def label(
 
     from pipelines.ranker_actors import map_with_pool
     from pipelines.ray_runtime import cluster_gpus, init_ray
+    from pipelines.train_teacher import teacher_for_engine
     from pipelines.vllm_engine import check_engine
 
     check_engine(engine)  # fail here, not in every actor
@@ -153,6 +154,7 @@ def label(
     tmarker = storage.read_marker(teacher)
     if tmarker.get("kind") != "teacher_checkpoint":
         raise InputError(f"{teacher} is not a published teacher (train_teacher's output)")
+    teacher_for_engine(teacher, engine)  # a cross-encoder on vLLM, too
     seqs = user_sequences(dataset_uri)
     users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
     if users.height == 0:

@@ -1,24 +1,31 @@
 """Train the full-text teacher (models.teacher) with Ray Train, on the ranker's examples.
 
     python -m pipelines.train_teacher --dataset-uri out/datasets/ml-latest-small --out out \\
-        [--run NAME] [--workers 1] [--epochs 4] [--cuts 1] [--negatives 7] [--resume]
+        [--run NAME] [--kind causal|cross] [--workers 1] [--epochs 4] [--cuts 1]
+        [--negatives 7] [--resume] [--lr (by kind)] [--max-length (by kind)]
         [--d-model 128] [--n-layers 2] [--max-history 20] [--random-init]
+
+Two kinds of teacher (``models.teacher``): ``causal`` (the default), a small Llama trained from
+scratch whose score is a "yes" logit - the form vLLM serves with prefix caching, the serving
+baseline; and ``cross``, a cross-encoder fine-tuned from the shipped, pretrained MiniLM over
+(candidate, history) pairs - the stronger labeller on a CPU (default run name
+``<dataset>-cross-teacher``, lr 5e-5, 128 tokens; the causal kind's are 5e-4 and 256).
 
 The examples are the ranker's (``models.batches``): every user's history in windows of
 ``--max-len`` + 1 items, per window ``--cuts`` cut points, the next item as the positive and
 ``--negatives`` uniform negatives. Each candidate is one prompt - the history titles with their
-feedback, then the candidate's title (``models.teacher.build_prompt``) - and the "yes" logits of
-one cut's candidates meet a softmax cross-entropy with the positive first: the ranker's listwise
-loss, so the teacher's scores over a candidate set are a distribution the ranker can be
-distilled towards (``pipelines.label_teacher``, ``train_ranker --teacher-labels``).
+feedback and the candidate's title (``models.teacher.build_prompt`` / ``cross_pair``) - and the
+logits of one cut's candidates meet a softmax cross-entropy with the positive first: the
+ranker's listwise loss, so the teacher's scores over a candidate set are a distribution the
+ranker can be distilled towards (``pipelines.label_teacher``, ``train_ranker --teacher-labels``).
 
 After each epoch the workers compute sampled validation NDCG@10 for ``--val-users`` users: the
 validation item among that user's 100 sampled negatives (a full-catalog ranking would be one
 prompt per catalog item and user). Checkpoints, ``--resume``, restarts of failed workers and the
 ``--max-minutes`` cap work as in train_ranker. The best epoch is published to
 ``<out>/teachers/<run>/``: a Hugging Face directory (config, weights, tokenizer) that
-``TeacherConfig(model_dir=...)`` and vLLM load, plus ``teacher.json`` (the prompt settings),
-``metrics.json`` and ``_SUCCESS.json``.
+``TeacherConfig(model_dir=...)`` (and, for the causal kind, vLLM) load, plus ``teacher.json``
+(the kind and prompt settings), ``metrics.json`` and ``_SUCCESS.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.config import TeacherConfig
+from models.config import TEACHER_KINDS, TeacherConfig
 from pipelines import jobs, storage
 from pipelines.data import item_titles, training_windows, user_sequences
 from pipelines.sources import InputError
@@ -73,6 +80,15 @@ class TeacherTrainConfig(BaseTrainConfig):
     val_users: int = 64  # users in the sampled validation (101 prompts each)
 
 
+# what each kind starts from: the causal LM trains from scratch (a higher rate; at its width long
+# prompts are cheap), the cross-encoder fine-tunes pretrained MiniLM (a BERT fine-tuning rate;
+# every prompt is a 6-layer, 384-wide forward, so prompts are kept shorter)
+KIND_DEFAULTS = {
+    "causal": {"lr": 5e-4, "max_length": 256},
+    "cross": {"lr": 5e-5, "max_length": 128},
+}
+
+
 def teacher_uri(out: str, run: str) -> str:
     return storage.join(out, "teachers", run)
 
@@ -104,7 +120,7 @@ def train_loop(config: dict) -> None:
     import ray.train.torch
 
     from models.batches import sample_candidates, sample_window
-    from models.teacher import TextTeacher, examples_for
+    from models.teacher import build_teacher, examples_for
 
     jobs.setup_logging()  # the step progress lines below, from this worker process
     tc = TeacherTrainConfig(**config["train"])
@@ -113,7 +129,7 @@ def train_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(config["threads"])
     torch.manual_seed(tc.seed)
-    teacher = TextTeacher(mc)
+    teacher = build_teacher(mc)
     titles = item_titles(config["dataset_uri"])
     state = restored_state(config)
     start_epoch, best, bad, history = progress(state)
@@ -227,7 +243,7 @@ def train(
 ) -> dict:
     """Train the teacher and publish its best epoch; returns the job summary."""
 
-    from models.teacher import TextTeacher
+    from models.teacher import build_teacher
     from pipelines.ray_runtime import init_ray
 
     t0 = time.perf_counter()
@@ -251,7 +267,8 @@ def train(
         "val": _validation_users(dataset_uri, tc.val_users, tc.seed),
     }
     log.info(
-        "training teacher %s on %d users (%d windows, %d prompts per epoch), %d worker(s)",
+        "training %s teacher %s on %d users (%d windows, %d prompts per epoch), %d worker(s)",
+        mc.kind,
         run,
         users.height,
         rows.height,
@@ -270,7 +287,7 @@ def train(
     history = [metrics for _, metrics in checkpoints]
     best_dir, best = max(checkpoints, key=lambda e: e[1]["val_sampled_ndcg10"])
     state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=False)
-    teacher = TextTeacher(mc)
+    teacher = build_teacher(mc)
     teacher.load_state_dict(state["model"])
     pub = storage.Publication(root)
     try:
@@ -300,6 +317,7 @@ def train(
     return {
         "job": "train_teacher",
         "run": run,
+        "kind": mc.kind,
         "users": users.height,
         "windows": rows.height,
         "parameters": sum(p.numel() for p in teacher.parameters()),
@@ -314,21 +332,36 @@ def train(
     }
 
 
+def teacher_for_engine(uri: str, engine: str) -> TeacherConfig:
+    """The published teacher's config, once ``engine`` is known to run it here (InputError
+    otherwise): vLLM serves causal-LM teachers only, and needs vLLM installed."""
+    from pipelines.vllm_engine import check_engine
+
+    cfg = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
+    if engine == "vllm" and cfg.kind != "causal":
+        raise InputError(
+            f"{uri} is a {cfg.kind} teacher; the vllm engine serves causal-LM teachers "
+            "(their candidates share the history prefix): use --engine hf"
+        )
+    check_engine(engine)
+    return cfg
+
+
 @contextlib.contextmanager
 def load_teacher(uri: str, engine: str = "hf", serving: bool = False):
-    """A published teacher (``<out>/teachers/<run>``) ready to score: a TextTeacher in eval
-    mode (``engine`` hf) or a VllmTeacher (vllm), both with ``score(examples, batch_size)``;
-    with ``serving``, vLLM's async engine instead (``AsyncVllmTeacher``, awaitable ``score``).
-    Whatever the engine needs is loaded inside the context."""
-    from models.teacher import TextTeacher
-    from pipelines.vllm_engine import AsyncVllmTeacher, VllmTeacher, check_engine
+    """A published teacher (``<out>/teachers/<run>``) ready to score: the teacher of its kind
+    in eval mode (``engine`` hf) or a VllmTeacher (vllm, causal teachers only), both with
+    ``score(examples, batch_size)``; with ``serving``, vLLM's async engine instead
+    (``AsyncVllmTeacher``, awaitable ``score``). Whatever the engine needs is loaded inside the
+    context."""
+    from models.teacher import build_teacher
+    from pipelines.vllm_engine import AsyncVllmTeacher, VllmTeacher
 
-    check_engine(engine)
+    cfg = teacher_for_engine(uri, engine)
     with storage.local_folder(uri) as d:
-        cfg = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
         cfg = dataclasses.replace(cfg, model_dir=d)
         if engine == "hf":
-            yield TextTeacher(cfg).eval()
+            yield build_teacher(cfg).eval()
         else:
             yield (AsyncVllmTeacher if serving else VllmTeacher)(d, cfg)
 
@@ -342,20 +375,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", default=None, help="run name (default: <dataset>-teacher)")
     p.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
     add_config_args(p, TeacherTrainConfig, "training")
-    g = p.add_argument_group("teacher (a small Llama on the MiniLM tokenizer)")
+    p.set_defaults(lr=None)  # by --kind, below
+    g = p.add_argument_group("teacher")
+    g.add_argument(
+        "--kind",
+        choices=TEACHER_KINDS,
+        default="causal",
+        help="causal: a small Llama on the MiniLM tokenizer, from scratch (vLLM serves it); "
+        "cross: a cross-encoder fine-tuned from the pretrained MiniLM (models.teacher)",
+    )
     base = TeacherConfig()
-    for name in ("d_model", "n_layers", "n_heads", "ffn_dim", "max_length", "max_history"):
+    for name in ("d_model", "n_layers", "n_heads", "ffn_dim", "max_history"):
         g.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(base, name))
+    g.add_argument("--max-length", type=int, default=None, help="prompt tokens (default: by kind)")
     g.add_argument(
         "--random-init",
         action="store_true",
-        help="random token embeddings instead of the MiniLM ones projected to --d-model",
+        help="causal: random token embeddings instead of MiniLM's projected to --d-model; "
+        "cross: MiniLM's shape with random weights",
     )
     a = p.parse_args(argv)
+    for name, value in KIND_DEFAULTS[a.kind].items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
 
     def job() -> dict:
         marker = storage.read_marker(a.dataset_uri)
         mc = TeacherConfig(
+            kind=a.kind,
             d_model=a.d_model,
             n_layers=a.n_layers,
             n_heads=a.n_heads,
@@ -365,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             init_from_encoder=not a.random_init,
         )
         tc = config_from_args(a, TeacherTrainConfig)
-        return train(a.dataset_uri, a.out, a.run or f"{marker['name']}-teacher", mc, tc, a.resume)
+        run = a.run or f"{marker['name']}-{'cross-' if a.kind == 'cross' else ''}teacher"
+        return train(a.dataset_uri, a.out, run, mc, tc, a.resume)
 
     return jobs.run(job)
 

@@ -15,6 +15,7 @@ from models.batches import training_batch
 from models.ranker import distillation_loss
 from pipelines import label_teacher, storage, train_ranker, train_teacher
 from pipelines.data import item_titles, user_sequences
+from pipelines.sources import InputError
 from tests.tiny import TINY_SHAPE, TINY_TEACHER, run_json
 
 
@@ -154,3 +155,52 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     assert train_ranker.main([*bad, "--teacher-labels", root]) == 2
     assert f"{root} is not a label_teacher output" in capsys.readouterr().err
     assert not storage.exists(train_ranker.checkpoint_uri(out, "x"))
+
+
+def test_cross_teacher_trains_labels_and_is_kept_off_vllm(tiny, ray_local, capsys):
+    """The pretrained cross-encoder through the same jobs: published in Hugging Face format as a
+    one-logit sequence classifier, labels that are its scores, and a clear refusal of the vLLM
+    engine (which serves causal LMs only) before any actor starts."""
+    out, ds = tiny["out"], tiny["dataset"]
+    summary = run_json(
+        capsys,
+        train_teacher.main,
+        ["--dataset-uri", ds, "--out", out, "--kind", "cross", "--max-length", "48"]
+        + ["--max-history", "5", "--batch-size", "4", "--negatives", "3", "--val-users", "8"]
+        + ["--max-len", "10", "--max-steps", "2", "--epochs", "1"],
+    )
+    assert summary["kind"] == "cross" and summary["run"].endswith("-cross-teacher")
+    root = summary["checkpoint"]
+    config = json.loads(storage.read_bytes(storage.join(root, "config.json")))
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    assert len(config["id2label"]) == 1  # one logit: the score
+    prompt = json.loads(storage.read_bytes(storage.join(root, "teacher.json")))
+    assert (prompt["kind"], prompt["max_length"], prompt["model_dir"]) == ("cross", 48, None)
+
+    labels = run_json(
+        capsys,
+        label_teacher.main,
+        ["--dataset-uri", ds, "--teacher", root, "--out", out, "--cuts", "1"]
+        + ["--negatives", "3", "--max-len", "10", "--actors", "1", "--max-windows", "4"],
+    )
+    table = pl.from_arrow(storage.read_parquet(storage.join(labels["labels"], "labels.parquet")))
+    assert labels["rows"] == table.height == 4
+    from models.teacher import CrossEncoderTeacher, examples_for
+
+    row = table.row(0, named=True)
+    with train_teacher.load_teacher(root) as teacher:
+        assert isinstance(teacher, CrossEncoderTeacher)
+        again = teacher.score(
+            examples_for(
+                row["hist"], row["hist_fb"], row["cuts"], [row["candidates"]], item_titles(ds)
+            )
+        )
+    assert_close(again, torch.tensor(row["teacher_logits"]), atol=1e-4, rtol=0)
+
+    # refused whether or not vLLM is installed here (without it, that is said first)
+    with pytest.raises(InputError, match="is a cross teacher; the vllm engine serves causal-LM"):
+        train_teacher.teacher_for_engine(root, "vllm")
+    bad = ["--dataset-uri", ds, "--teacher", root, "--out", out, "--engine", "vllm"]
+    assert label_teacher.main(bad) == 2
+    assert "vllm" in capsys.readouterr().err
+    assert storage.read_marker(labels["labels"])["engine"] == "hf"  # the labels stand
