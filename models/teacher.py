@@ -231,7 +231,7 @@ class CrossEncoderTeacher(_Teacher):
         self.cfg = cfg = cfg or TeacherConfig(kind="cross")
         src = cfg.model_dir or default_model_dir()
         self.tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
-        # the head is new when starting from a plain encoder: Hugging Face's warning says so
+        # from a plain encoder the head is new by design: Hugging Face's warning about it is noise
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
