@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
             f"low-rank KV, R={r}",
             s["ratio"],
             ranks_for(model, users, max_len, n_items, lambda h, _, m=model: m.prefill(h)),
+            start_val_ndcg10=s.get("start_val_ndcg10"),
+            val_ndcg10=s["val_ndcg10"],
             fit_seconds=s["seconds"],
         )
     from models.config import CollectiveKVConfig
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
             router_use=round(float(np.mean(use)), 4),
             entropy_bits=round(float(np.mean(bits)), 3),
             collapsed=manifest["collapsed_routers"],
+            start_val_ndcg10=s.get("start_val_ndcg10"),
+            val_ndcg10=s["val_ndcg10"],
             fit_seconds=s["seconds"],
         )
     base_ndcg = rows[0]["ndcg10"]

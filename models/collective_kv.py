@@ -3,7 +3,7 @@
 Per attention layer there is a K pool and a V pool of ``M`` learnable entries of width
 ``kv_width - d_u``. For each cached token with hidden state x (the layer's normed input):
 
-    idx_k = argmax(router_k x)                 (a bias-free linear router, top-1)
+    idx_k = argmax(router_k x)                 (a linear router, top-1)
     k     = concat(pool_k[idx_k], SiLU(W_uk x)) (W_uk: d_model -> d_u, tiny and user-specific)
 
 and the same for V with its own router, pool and projection. Rotary positions are applied after
@@ -110,7 +110,7 @@ class CollectiveKV(nn.Module):
         self.cfg = cfg
         shared = kv_width - cfg.user_dim
         for side, on in (("k", cfg.share_k), ("v", cfg.share_v)):
-            router = nn.Linear(d_model, cfg.pool_size, bias=False) if on else None
+            router = nn.Linear(d_model, cfg.pool_size, bias=cfg.router_bias) if on else None
             pool = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02) if on else None
             user = nn.Linear(d_model, cfg.user_dim, bias=False) if on else None
             setattr(self, f"router_{side}", router)
@@ -253,10 +253,11 @@ def init_from_projections(
     The shared part of K (its first kv_width - d_u dims) is vector-quantised: k-means over the
     sampled keys gives the pool, so top-1 selection starts at the least-squares codebook. The
     router starts as the nearest-centroid classifier written on x: argmin ||W x - c_j||^2 =
-    argmax 2 c_j.W x - ||c_j||^2; being bias-free it keeps 2 W^T c_j and drops ||c_j||^2, which
-    fine-tuning makes up for. The user projection starts as the last d_u rows of the trained
-    projection. The same for V. Returns the relative squared error of the shared part under the
-    k-means assignment and under the router's, for K and V (the sides that are shared)."""
+    argmax 2 c_j.W x - ||c_j||^2, weight 2 W^T c_j and bias -||c_j||^2; a bias-free router
+    (``router_bias`` off) drops the bias and starts further from the codebook. The user
+    projection starts as the last d_u rows of the trained projection. The same for V. Returns
+    the relative squared error of the shared part under the k-means assignment and under the
+    router's, for K and V (the sides that are shared)."""
     stats = {}
     for name, proj in (("k", k_proj), ("v", v_proj)):
         side = ckv.side(name)
@@ -269,6 +270,8 @@ def init_from_projections(
         w = proj.weight[:shared].float()
         pool.copy_(c)
         router.weight.copy_(2 * c @ w)
+        if router.bias is not None:
+            router.bias.copy_(-(c * c).sum(1))
         user.weight.copy_(proj.weight[shared:])
         routed = router(x.to(router.weight.dtype)).argmax(-1)
         energy = (kv * kv).sum().clamp(min=1e-12)

@@ -93,6 +93,13 @@ class CollectiveKVConfig(_JsonConfig):
     # stored in full (kv_width fp16 per token), with no router or pool
     share_k: bool = True
     share_v: bool = True
+    # the routers' bias: with it a router starts as the exact nearest-entry classifier of the
+    # fitted pool (logit 2 c.k - |c|^2); without it (configs before the option) the |c|^2 term is
+    # dropped and large entries win tokens that lie nearer smaller ones. It costs nothing stored:
+    # a state holds the chosen index, not the logits
+    router_bias: bool = True
+
+    _absent_means = {"router_bias": False}
 
     def __post_init__(self) -> None:
         _check(

@@ -206,6 +206,15 @@ def train_loop(config: dict) -> None:
         opt.load_state_dict(state["optimizer"])
     average = weight_average(_unwrap(model), tc.ema_decay, state)
     val = _load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
+    start_val = None
+    if val and state is None and config.get("init_uri"):
+        # a fine-tune: how its starting weights validate before any step, so the summary shows
+        # what the fine-tune itself adds (or loses)
+        nd, n = _validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)[::2]
+        nd, n = all_sum([nd, n], world)
+        start_val = nd / max(n, 1)
+        if rank == 0:
+            log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
     q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
     shard = ray.train.get_dataset_shard("train")
     dev = next(model.parameters()).device
@@ -297,6 +306,8 @@ def train_loop(config: dict) -> None:
             "train_seconds": train_seconds,
             "epoch_seconds": time.perf_counter() - t0,
         }
+        if start_val is not None and epoch == 0:
+            metrics["start_val_ndcg10"] = start_val
         history.append(metrics)
         state = {
             "model": _unwrap(model).state_dict(),
@@ -426,6 +437,8 @@ def train(
         "workers": tc.workers,
         "checkpoint": root,
     }
+    if "start_val_ndcg10" in history[0]:  # a fine-tune's starting weights, validated
+        summary["start_val_ndcg10"] = round(history[0]["start_val_ndcg10"], 4)
     try:
         pub.put_bytes("model.pt", buf.getvalue())
         pub.put_bytes("ranker.json", rc.to_json().encode())

@@ -21,6 +21,7 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
         + ["--configs", "16:2", "--low-ranks", "4", "--max-users", "20"]
         + ["--max-steps", "2", "--val-users", "8", "--sample-states", "--json", str(path)]
+        + ["--lr", "0"]  # the fitted start, unchanged by the fine-tune: see the last check
     )
     result = json.loads(path.read_text())
     rows = {r["method"]: r for r in result["rows"]}
@@ -39,3 +40,7 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     ckv = rows["CollectiveKV M=16 d_u=2"]
     assert 0 < ckv["router_use"] <= 1 and ckv["collapsed"] == []
     assert "| CollectiveKV M=16 d_u=2 |" in capsys.readouterr().out
+    # each fitted row validates its starting weights before fine-tuning; at lr 0 the fine-tune
+    # leaves them as they were, so the epoch validates exactly as the start did
+    for method in ("CollectiveKV M=16 d_u=2", "low-rank KV, R=4"):
+        assert 0 <= rows[method]["start_val_ndcg10"] == rows[method]["val_ndcg10"] <= 1

@@ -464,6 +464,43 @@ def test_the_adapter_is_linear_by_default_and_old_configs_keep_their_mlp():
     assert_close(linear.score(linear.prefill(h), c), reference, atol=ATOL, rtol=0)
 
 
+def test_a_fitted_router_starts_as_the_nearest_entry_of_its_pool():
+    from models.collective_kv import init_from_projections, nearest
+
+    g = torch.Generator().manual_seed(0)
+    # tokens around a few centres of very different norms: a bias-free router, which drops
+    # |c|^2, sends tokens near a small centre to a large one
+    centres = torch.randn(6, 32, generator=g) * torch.tensor([0.2, 0.5, 1, 2, 4, 8])[:, None]
+    x = centres[torch.randint(6, (600,), generator=g)] + 0.05 * torch.randn(600, 32, generator=g)
+    errors = {}
+    for bias in (True, False):
+        model = tiny_ranker(CollectiveKVConfig(pool_size=8, user_dim=1, router_bias=bias))
+        att = model.layers[0].self_attn
+        stats = init_from_projections(att.ckv, x, att.k_proj, att.v_proj, seed=0)
+        errors[bias] = stats
+        if bias:
+            shared = att.ckv.pool_k.shape[1]
+            keys = att.k_proj(x)[:, :shared].detach()
+            routed = att.ckv.router_k(x).argmax(-1)
+            # the router's choice is the pool entry nearest each key, token for token
+            assert torch.equal(routed, nearest(keys, att.ckv.pool_k.detach()))
+            assert stats["k_router_rel_error"] == pytest.approx(stats["k_kmeans_rel_error"])
+    assert errors[False]["k_router_rel_error"] > 2 * errors[True]["k_router_rel_error"]
+    # the pool is the k-means codebook either way (same seed, same keys)
+    assert errors[False]["k_kmeans_rel_error"] == pytest.approx(errors[True]["k_kmeans_rel_error"])
+
+
+def test_collective_kv_configs_before_the_router_bias_load_without_it():
+    old = tiny_config(CollectiveKVConfig(pool_size=32, user_dim=2)).to_dict()
+    del old["collective_kv"]["router_bias"]
+    cfg = RankerConfig.from_dict(old)
+    assert not cfg.collective_kv.router_bias and CollectiveKVConfig().router_bias
+    model = Ranker(cfg, n_items=N_ITEMS)
+    assert not any(k.endswith("router_k.bias") for k in model.state_dict())
+    new = tiny_ranker(CKV_MODES["collective_kv"])
+    assert any(k.endswith("router_k.bias") for k in new.state_dict())
+
+
 def test_item_id_inputs_learn_an_embedding_per_item():
     model = tiny_ranker(None, item_input="id").train()
     with pytest.raises(ValueError, match="item-id embeddings"):
