@@ -119,7 +119,11 @@ def collect_kv_inputs(
     parts = list(res.iter_batches(batch_size=None, batch_format="numpy"))
     user = np.concatenate([p["user_id"] for p in parts])
     n_layers = sum(1 for k in parts[0] if k.startswith("x"))
-    xs = [np.concatenate([p[f"x{i}"] for p in parts]) for i in range(n_layers)]
+    # Ray Data returns the batches in the order they finish: put the rows in user order (each
+    # user's tokens stay in position order) so that one seed always fits the same pools
+    order = np.argsort(user, kind="stable")
+    user = user[order]
+    xs = [np.concatenate([p[f"x{i}"] for p in parts])[order] for i in range(n_layers)]
     if len(user) > max_tokens:
         keep = np.sort(rng.choice(len(user), size=max_tokens, replace=False))
         user, xs = user[keep], [x[keep] for x in xs]

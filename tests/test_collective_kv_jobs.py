@@ -155,6 +155,16 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         < fit["layer0_k_router_rel_error"]
         == pytest.approx(fit["layer0_k_kmeans_rel_error"], rel=1e-3)
     )
+    # two actors finish their batches in either order; one seed still collects the same tokens
+    collected = [
+        train_kv_pool.collect_kv_inputs(base["checkpoint"], ds, users=0, max_tokens=100, actors=2)
+        for _ in range(2)
+    ]
+    (xs_a, user_a), (xs_b, user_b) = collected
+    assert (
+        len(user_a) == 100 and np.array_equal(user_a, user_b) and user_a.tolist() == sorted(user_a)
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(xs_a, xs_b, strict=True))
     model, marker = data.load_checkpoint(fit["checkpoint"])
     assert model.cfg.collective_kv.user_dim == 2 and marker["base_checkpoint"] == base["checkpoint"]
 
