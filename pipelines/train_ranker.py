@@ -68,6 +68,7 @@ from pipelines.training import (
     resume_point,
     weight_average,
 )
+from pipelines.validation import load_val, validate
 
 log = logging.getLogger("kvrank.train_ranker")
 
@@ -126,53 +127,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def _validate(
-    model, val: dict, n_items: int, max_len: int, rank: int, world: int, score: str = "served"
-) -> tuple[float, float, int]:
-    """(sum of NDCG@10, sum of HR@10, users) over this worker's part of the validation users,
-    ranked over the full catalog by the served score or, with ``score="dot"``, the user token's
-    dot product alone."""
-    from models.batches import history_batch
-    from models.metrics import dot_catalog_ranks, full_catalog_ranks, hit_at_k, ndcg_at_k
-
-    idx = list(range(rank, len(val["valid"]), world))
-    if not idx:
-        return 0.0, 0.0, 0
-    nd, hr = 0.0, 0.0
-    m = _unwrap(model).eval()
-    dev = next(m.parameters()).device
-    with torch.no_grad():  # the catalog's tokens, once for every batch (the dot score only)
-        tokens = m.catalog_tokens() if score == "dot" else None
-    for start in range(0, len(idx), 32):
-        part = idx[start : start + 32]
-        hist = history_batch(
-            [val["hist"][i] for i in part], [val["hist_fb"][i] for i in part], max_len
-        )
-        hist = type(hist)(hist.vids.to(dev), hist.feedback.to(dev), hist.lengths.to(dev))
-        targets = torch.tensor([val["valid"][i] for i in part], device=dev)
-        exclude = [torch.as_tensor(val["hist"][i]) for i in part]
-        if score == "dot":
-            ranks = dot_catalog_ranks(m, hist, targets, exclude, tokens)
-        else:
-            ranks = full_catalog_ranks(m, hist, targets, exclude, n_items)
-        nd += float(ndcg_at_k(ranks).sum())
-        hr += float(hit_at_k(ranks).sum())
-    return nd, hr, len(idx)
-
-
-def _load_val(dataset_uri: str, n: int, seed: int) -> dict:
-    seqs = user_sequences(dataset_uri)
-    seqs = seqs.filter(seqs["hist"].list.len() >= 1)
-    rng = np.random.default_rng(seed)
-    pick = np.sort(rng.choice(seqs.height, size=min(n, seqs.height), replace=False))
-    sub = seqs[pick]
-    return {
-        "hist": [np.asarray(x) for x in sub["hist"].to_list()],
-        "hist_fb": [np.asarray(x) for x in sub["hist_fb"].to_list()],
-        "valid": sub["valid"].to_list(),
-    }
-
-
 def train_loop(config: dict) -> None:
     """Runs on every Ray Train worker."""
     import ray.train
@@ -205,14 +159,12 @@ def train_loop(config: dict) -> None:
     if state is not None:
         opt.load_state_dict(state["optimizer"])
     average = weight_average(_unwrap(model), tc.ema_decay, state)
-    val = _load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
+    val = load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
     start_val = None
     if val and state is None and config.get("init_uri"):
         # a fine-tune: how its starting weights validate before any step, so the summary shows
         # what the fine-tune itself adds (or loses)
-        nd, n = _validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)[::2]
-        nd, n = all_sum([nd, n], world)
-        start_val = nd / max(n, 1)
+        start_val, _, n = validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)
         if rank == 0:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
     q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
@@ -277,21 +229,13 @@ def train_loop(config: dict) -> None:
             if steps == tc.max_steps:  # every worker stops at the same count (DDP stays paired)
                 break
         train_seconds = time.perf_counter() - t0
-        nd, hr, n = (
-            _validate(
-                model if average is None else average.module,
-                val,
-                n_items,
-                tc.max_len,
-                rank,
-                world,
-                tc.val_score,
-            )
+        validated = model if average is None else average.module
+        val_ndcg, val_hr, n = (
+            validate(validated, val, n_items, tc.max_len, rank, world, tc.val_score)
             if val
             else (0.0, 0.0, 0)
         )
-        nd, hr, n, loss_sum, loss_n = all_sum([nd, hr, n, sum(losses), len(losses)], world)
-        val_ndcg = nd / max(n, 1)
+        loss_sum, loss_n = all_sum([sum(losses), len(losses)], world)
         best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
         metrics = {
             "epoch": epoch,
@@ -299,7 +243,7 @@ def train_loop(config: dict) -> None:
             "aux_loss": float(np.mean(aux_losses)) if aux_losses else 0.0,
             "distill_loss": float(np.mean(distill_losses)) if distill_losses else 0.0,
             "val_ndcg10": val_ndcg,
-            "val_hr10": hr / max(n, 1),
+            "val_hr10": val_hr,
             "val_users": int(n),
             "best_val_ndcg10": best,
             "steps": steps,

@@ -10,7 +10,16 @@ import polars as pl
 import pytest
 import torch
 
-from pipelines import data, encode_items, evaluate, prepare_data, storage, train_ranker, training
+from pipelines import (
+    data,
+    encode_items,
+    evaluate,
+    prepare_data,
+    storage,
+    train_ranker,
+    training,
+    validation,
+)
 from pipelines.data import item_table, training_windows
 from pipelines.sources import InputError
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
@@ -307,15 +316,20 @@ def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
     exclude = [torch.as_tensor(x) for x in hists]
     got = dot_catalog_ranks(model, h, torch.tensor(val["valid"]), exclude)
     assert got.tolist() == want
-    nd, _, n = train_ranker._validate(model, val, n_items, 10, 0, 1, "dot")
+    nd, _, n = validation.worker_sums(model, val, n_items, 10, 0, 1, "dot")
     assert n == 5 and nd == pytest.approx(float(ndcg_at_k(torch.tensor(want)).sum()))
+    # one worker's sums, averaged over its users: what every epoch records
+    assert validation.validate(model, val, n_items, 10, 0, 1, "dot")[::2] == (
+        pytest.approx(nd / 5),
+        5,
+    )
     # two workers split the users and their sums add up to one worker's
-    halves = [train_ranker._validate(model, val, n_items, 10, r, 2, "dot") for r in (0, 1)]
+    halves = [validation.worker_sums(model, val, n_items, 10, r, 2, "dot") for r in (0, 1)]
     assert sum(x[0] for x in halves) == pytest.approx(nd) and sum(x[2] for x in halves) == 5
     # the served score adds the head: another ranking, and what "served" validation sums
     served = full_catalog_ranks(model, h, torch.tensor(val["valid"]), exclude, n_items)
     assert served.tolist() != want
-    nd_served, _, _ = train_ranker._validate(model, val, n_items, 10, 0, 1, "served")
+    nd_served, _, _ = validation.worker_sums(model, val, n_items, 10, 0, 1, "served")
     assert nd_served == pytest.approx(float(ndcg_at_k(served).sum()))
     with pytest.raises(InputError, match="--val-score must be one of"):
         train_ranker.TrainConfig(val_score="mis")

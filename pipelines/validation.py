@@ -1,0 +1,65 @@
+"""Validation of a ranker during training: full-catalog NDCG@10 and HR@10 of held-out users'
+validation items, each Ray Train worker scoring its share of the users."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipelines.data import user_sequences
+from pipelines.training import all_sum
+
+
+def worker_sums(
+    model, val: dict, n_items: int, max_len: int, rank: int, world: int, score: str = "served"
+) -> tuple[float, float, int]:
+    """(sum of NDCG@10, sum of HR@10, users) over this worker's part of the validation users,
+    ranked over the full catalog by the served score or, with ``score="dot"``, the user token's
+    dot product alone."""
+    from models.batches import history_batch
+    from models.metrics import dot_catalog_ranks, full_catalog_ranks, hit_at_k, ndcg_at_k
+
+    idx = list(range(rank, len(val["valid"]), world))
+    if not idx:
+        return 0.0, 0.0, 0
+    nd, hr = 0.0, 0.0
+    m = (model.module if hasattr(model, "module") else model).eval()  # DDP-wrapped or not
+    dev = next(m.parameters()).device
+    with torch.no_grad():  # the catalog's tokens, once for every batch (the dot score only)
+        tokens = m.catalog_tokens() if score == "dot" else None
+    for start in range(0, len(idx), 32):
+        part = idx[start : start + 32]
+        hist = history_batch(
+            [val["hist"][i] for i in part], [val["hist_fb"][i] for i in part], max_len
+        )
+        hist = type(hist)(hist.vids.to(dev), hist.feedback.to(dev), hist.lengths.to(dev))
+        targets = torch.tensor([val["valid"][i] for i in part], device=dev)
+        exclude = [torch.as_tensor(val["hist"][i]) for i in part]
+        if score == "dot":
+            ranks = dot_catalog_ranks(m, hist, targets, exclude, tokens)
+        else:
+            ranks = full_catalog_ranks(m, hist, targets, exclude, n_items)
+        nd += float(ndcg_at_k(ranks).sum())
+        hr += float(hit_at_k(ranks).sum())
+    return nd, hr, len(idx)
+
+
+def load_val(dataset_uri: str, n: int, seed: int) -> dict:
+    seqs = user_sequences(dataset_uri)
+    seqs = seqs.filter(seqs["hist"].list.len() >= 1)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(seqs.height, size=min(n, seqs.height), replace=False))
+    sub = seqs[pick]
+    return {
+        "hist": [np.asarray(x) for x in sub["hist"].to_list()],
+        "hist_fb": [np.asarray(x) for x in sub["hist_fb"].to_list()],
+        "valid": sub["valid"].to_list(),
+    }
+
+
+def validate(
+    model, val: dict, n_items: int, max_len: int, rank: int, world: int, score: str = "served"
+) -> tuple[float, float, int]:
+    """(NDCG@10, HR@10, users) over all workers' validation users (every worker calls it)."""
+    nd, hr, n = all_sum(list(worker_sums(model, val, n_items, max_len, rank, world, score)), world)
+    return nd / max(n, 1), hr / max(n, 1), int(n)
