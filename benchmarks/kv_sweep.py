@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
     p.add_argument("--lr", type=float, default=train_kv_pool.FINE_TUNE_LR, help="fine-tuning rate")
     p.add_argument(
+        "--base-distill-weight",
+        type=float,
+        default=0.0,
+        help="weight of KL(uncompressed || fitted) in each fine-tune (train_kv_pool's option)",
+    )
+    p.add_argument(
         "--val-users",
         type=int,
         default=32,
@@ -129,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         val_users=a.val_users,
         negatives=63,
         max_steps=a.max_steps,
+        base_distill_weight=a.base_distill_weight,
         ema_decay=0.0,  # as train_kv_pool: a one-epoch fine-tune, no weight average
     )
     rows = []
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "fine_tune_epochs": a.epochs,
         "fine_tune_max_steps": a.max_steps or None,
         "fine_tune_lr": a.lr,
+        "fine_tune_base_distill_weight": a.base_distill_weight,
         "fine_tune_val_users": a.val_users,
         "states_of": "sampled test users" if a.sample_states else "all users",
         "rows": rows,

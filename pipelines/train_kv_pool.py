@@ -204,6 +204,7 @@ def fit(
         tc,
         resume=resume,
         init_state=model.state_dict() if not resume else None,
+        base_uri=checkpoint,
         extra_meta={
             "base_checkpoint": checkpoint,
             "collective_kv": ckv.to_dict() if ckv and not kv_rank else None,
@@ -223,6 +224,7 @@ def fit(
         **({"kv_rank": kv_rank} if kv_rank else {"pool_size": ckv.pool_size}),
         **({} if kv_rank else {"user_dim": ckv.user_dim, "share": ckv.share}),
         "ratio": round(ratio, 5),
+        "base_distill_weight": tc.base_distill_weight,
         **init_stats,
         "seconds": round(time.perf_counter() - t0, 1),
     }

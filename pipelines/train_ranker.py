@@ -93,6 +93,12 @@ class TrainConfig(BaseTrainConfig):
     # cut's candidates, both softmaxed at this temperature (the term is scaled by T^2)
     distill_weight: float = 1.0
     distill_temperature: float = 1.0
+    # a fine-tune from a trained ranker (train_kv_pool): weight of KL(base || ranker) over each
+    # cut's candidates and over the user token's catalog softmax, where base is the trained
+    # ranker the fine-tune started from, frozen, on the same batch (at --distill-temperature).
+    # The compressed ranker then learns to score as the uncompressed one does, not only to
+    # fit the labels again (0: off; train_ranker alone has no base)
+    base_distill_weight: float = 0.0
     # how validation ranks the catalog: "served" (head + dot by MIS, what serving returns) or
     # "dot" (the user token's dot product alone: one matrix product, so every user of a small
     # dataset can be validated each epoch - on ml-latest-small 128 users by the served score
@@ -110,6 +116,8 @@ class TrainConfig(BaseTrainConfig):
             raise InputError(f"--val-score must be one of {VAL_SCORES}, got {self.val_score!r}")
         if self.distill_weight < 0 or self.distill_temperature <= 0:
             raise InputError("--distill-weight must be >= 0 and --distill-temperature > 0")
+        if self.base_distill_weight < 0:
+            raise InputError(f"--base-distill-weight must be >= 0, got {self.base_distill_weight}")
         if self.catalog_weight < 0:
             raise InputError(f"--catalog-weight must be >= 0, got {self.catalog_weight}")
         if not 0 <= self.ema_decay < 1:
@@ -134,6 +142,7 @@ def train_loop(config: dict) -> None:
 
     from models.batches import sampling_distribution, training_batch
     from models.ranker import Ranker, distillation_loss, ranking_loss
+    from pipelines.data import load_checkpoint
 
     jobs.setup_logging()  # this worker's progress lines
     tc = TrainConfig(**config["train"])
@@ -155,6 +164,13 @@ def train_loop(config: dict) -> None:
         init = torch.load(open_file(*config["init_uri"].rsplit("/", 1)), map_location="cpu")
         model.load_state_dict(init, strict=True)
     model = ray.train.torch.prepare_model(model)
+    dev = next(model.parameters()).device
+    base = None
+    if tc.base_distill_weight > 0:  # the frozen ranker a fine-tune distils from
+        base, _ = load_checkpoint(config["base_uri"])
+        if base.cfg.reads_vectors:
+            base.set_item_table(table)
+        base = base.to(dev).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
@@ -169,7 +185,6 @@ def train_loop(config: dict) -> None:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
     q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
     shard = ray.train.get_dataset_shard("train")
-    dev = next(model.parameters()).device
     started = time.perf_counter()
     for epoch in range(start_epoch, tc.epochs):
         t0 = time.perf_counter()
@@ -215,6 +230,17 @@ def train_loop(config: dict) -> None:
                 )
                 distill_losses.append(kl.item())
                 loss = loss + tc.distill_weight * kl
+            if base is not None:
+                with torch.no_grad():
+                    ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+                t = tc.distill_temperature
+                kl = distillation_loss(
+                    out.scores.view(-1, 1 + tc.negatives), ref.scores.view(-1, 1 + tc.negatives), t
+                )
+                if catalog:
+                    kl = kl + distillation_loss(out.catalog, ref.catalog, t)
+                distill_losses.append(kl.item())
+                loss = loss + tc.base_distill_weight * kl
             opt.zero_grad(set_to_none=True)
             (loss + out.aux_loss).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -283,11 +309,13 @@ def train(
     init_state: dict | None = None,
     extra_meta: dict | None = None,
     teacher_labels: str | None = None,
+    base_uri: str | None = None,
 ) -> dict:
     """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
     ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
     label_teacher folder) the epochs run over its labelled examples, with the distillation
-    term."""
+    term. ``base_uri``: the published ranker a fine-tune distils from
+    (``tc.base_distill_weight``)."""
 
     from pipelines.ray_runtime import init_ray
 
@@ -296,6 +324,11 @@ def train(
     vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
     if tc.val_score == "dot" and not rc.user_token:
         raise InputError("--val-score dot needs a ranker with a user token")
+    if tc.base_distill_weight > 0 and not base_uri:
+        raise InputError(
+            "--base-distill-weight needs the trained ranker a fine-tune starts from: "
+            "train_kv_pool gives it, train_ranker alone has none"
+        )
     marker = storage.read_marker(dataset_uri)
     n_items = int(marker["items"])
     if rc.reads_vectors:
@@ -334,6 +367,7 @@ def train(
         "dataset_uri": dataset_uri,
         "resume_from": resume_from,
         "init_uri": init_uri,
+        "base_uri": storage.absolute(base_uri) if base_uri else None,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
         "item_counts": np.bincount(
             np.concatenate(users["hist"].to_list()), minlength=n_items

@@ -142,12 +142,16 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         train_kv_pool.main,
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
         + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2"]
-        + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN],
+        + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN]
+        + ["--base-distill-weight", "1"],
     )
     assert fit["init_tokens"] == 100 and fit["pool_size"] == 16
     # 40 users in batches of 8 are 5 steps an epoch; --max-steps cut the fine-tune at 2
     history = storage.read_json(storage.join(fit["checkpoint"], "metrics.json"))
     assert [m["steps"] for m in history] == [2]
+    # the fine-tune was distilled from the base: a compressed KV scores differently, so the
+    # KL from the base's candidate and catalog softmaxes is above zero
+    assert fit["base_distill_weight"] == 1 and history[0]["distill_loss"] > 0
     # the router starts as the nearest-entry classifier of the k-means pool: it makes the
     # k-means assignment's choices (up to float ties)
     assert (

@@ -140,6 +140,9 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     assert train_ranker.main([*base, "--epochs", "2"]) == 2
     assert "pass --resume to continue it" in capsys.readouterr().err
     assert json.loads(storage.read_bytes(storage.join(root, "metrics.json"))) == history
+    # distilling from a base needs a fine-tune's base: train_ranker alone has none
+    assert train_ranker.main([*base, "--resume", "--base-distill-weight", "1"]) == 2
+    assert "train_kv_pool gives it" in capsys.readouterr().err
 
     resumed = run_json(capsys, train_ranker.main, [*base, "--epochs", "3", "--resume"])
     assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
