@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         help="explicit M:d_u[:share] list instead of the grid, e.g. 256:1,1024:1,1024:8",
     )
     p.add_argument("--low-ranks", default="4", help="R of the low-rank baselines (2 + 2 d_u)")
+    p.add_argument(
+        "--int8",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score the int8 KV baseline (--no-int8: skip it when only fits are compared)",
+    )
     p.add_argument("--epochs", type=int, default=1, help="fine-tuning epochs per configuration")
     p.add_argument("--lr", type=float, default=train_kv_pool.FINE_TUNE_LR, help="fine-tuning rate")
     p.add_argument(
@@ -91,6 +97,12 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         help="weight of KL(uncompressed || fitted) in each fine-tune (train_kv_pool's option)",
+    )
+    p.add_argument(
+        "--tune",
+        choices=["all", "kv"],
+        default="all",
+        help="what each fine-tune trains (train_kv_pool's option): all weights, or the cache's",
     )
     p.add_argument(
         "--val-users",
@@ -136,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         negatives=63,
         max_steps=a.max_steps,
         base_distill_weight=a.base_distill_weight,
+        tune=a.tune,
         ema_decay=0.0,  # as train_kv_pool: a one-epoch fine-tune, no weight average
     )
     rows = []
@@ -154,13 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = base.cfg
     per_token_fp16 = 2 * cfg.kv_width * 2
     int8_ratio = 2 * (cfg.kv_width + 2 * cfg.n_kv_heads) / per_token_fp16
-    add(
-        "int8 KV (scale per token, head)",
-        int8_ratio,
-        ranks_for(
-            base, users, max_len, n_items, lambda h, _: base.quantize_int8(base.prefill(h))[0]
-        ),
-    )
+    if a.int8:
+        add(
+            "int8 KV (scale per token, head)",
+            int8_ratio,
+            ranks_for(
+                base, users, max_len, n_items, lambda h, _: base.quantize_int8(base.prefill(h))[0]
+            ),
+        )
 
     def fitted(run: str, **kw) -> dict:
         summary = train_kv_pool.fit(
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         "fine_tune_max_steps": a.max_steps or None,
         "fine_tune_lr": a.lr,
         "fine_tune_base_distill_weight": a.base_distill_weight,
+        "fine_tune_tune": a.tune,
         "fine_tune_val_users": a.val_users,
         "states_of": "sampled test users" if a.sample_states else "all users",
         "rows": rows,

@@ -202,6 +202,12 @@ class Ranker(nn.Module):
             if emb is not None:
                 nn.init.normal_(emb.weight, std=0.02)
 
+    def compressed_kv_parameters(self) -> list[str]:
+        """Names of the compressed cache's parameters: the CollectiveKV routers, pools and user
+        projections, or the low-rank latent maps (empty for an uncompressed ranker)."""
+        parts = (".ckv.", ".kv_down.", ".k_up.", ".v_up.")
+        return [n for n, _ in self.named_parameters() if any(p in n for p in parts)]
+
     # -- item table and token embeddings
 
     def set_item_table(self, vectors: Tensor) -> None:

@@ -3,7 +3,7 @@
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
         [--pool-size 1024] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
-        [--run NAME] [--resume]
+        [--run NAME] [--resume] [--base-distill-weight W] [--tune all|kv]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
 
 1. **Collect** (Ray Data): an actor pool runs the trained ranker over a seeded sample of users'
@@ -22,6 +22,9 @@
    routers, pools, user projections and the rest - on the same MIS objective plus the peak and
    balance losses; checkpoints every epoch, ``--resume``, validation NDCG@10 computed through
    the compressed cache, best epoch published to ``<out>/checkpoints/<run>/``.
+   ``--base-distill-weight W`` adds W x KL(trained ranker || this one) over each cut's
+   candidates and the catalog softmax, the trained ranker frozen beside it; ``--tune kv``
+   trains only the cache's weights (routers, pools, user projections), the rest frozen.
 
 The published checkpoint is what ``build_user_states`` turns into stored user states.
 

@@ -62,6 +62,7 @@ from pipelines.training import (
     restored_state,
     resume_point,
 )
+from pipelines.validation import sample_val
 
 log = logging.getLogger("kvrank.train_teacher")
 
@@ -219,20 +220,6 @@ def train_loop(config: dict) -> None:
 # ----------------------------------------------------------------------------- driver side
 
 
-def _validation_users(dataset_uri: str, n: int, seed: int) -> dict:
-    seqs = user_sequences(dataset_uri)
-    seqs = seqs.filter(seqs["hist"].list.len() >= 1)
-    rng = np.random.default_rng(seed)
-    pick = np.sort(rng.choice(seqs.height, size=min(n, seqs.height), replace=False))
-    sub = seqs[pick]
-    return {
-        "hist": sub["hist"].to_list(),
-        "hist_fb": sub["hist_fb"].to_list(),
-        "valid": sub["valid"].to_list(),
-        "negatives": sub["negatives"].to_list(),
-    }
-
-
 def train(
     dataset_uri: str,
     out: str,
@@ -264,7 +251,9 @@ def train(
         "dataset_uri": dataset_uri,
         "resume_from": resume_from,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
-        "val": _validation_users(dataset_uri, tc.val_users, tc.seed),
+        "val": sample_val(
+            dataset_uri, tc.val_users, tc.seed, ("hist", "hist_fb", "valid", "negatives")
+        ),
     }
     log.info(
         "training %s teacher %s on %d users (%d windows, %d prompts per epoch), %d worker(s)",

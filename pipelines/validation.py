@@ -44,17 +44,21 @@ def worker_sums(
     return nd, hr, len(idx)
 
 
-def load_val(dataset_uri: str, n: int, seed: int) -> dict:
+def sample_val(dataset_uri: str, n: int, seed: int, columns: tuple[str, ...]) -> dict:
+    """``columns`` of ``n`` seeded random users with a history (their split's sequences), as
+    lists: the validation users of a training job, the same users for one seed."""
     seqs = user_sequences(dataset_uri)
     seqs = seqs.filter(seqs["hist"].list.len() >= 1)
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.choice(seqs.height, size=min(n, seqs.height), replace=False))
     sub = seqs[pick]
-    return {
-        "hist": [np.asarray(x) for x in sub["hist"].to_list()],
-        "hist_fb": [np.asarray(x) for x in sub["hist_fb"].to_list()],
-        "valid": sub["valid"].to_list(),
-    }
+    return {c: sub[c].to_list() for c in columns}
+
+
+def load_val(dataset_uri: str, n: int, seed: int) -> dict:
+    """The ranker's validation users: histories (arrays), feedback and validation items."""
+    val = sample_val(dataset_uri, n, seed, ("hist", "hist_fb", "valid"))
+    return val | {k: [np.asarray(x) for x in val[k]] for k in ("hist", "hist_fb")}
 
 
 def validate(

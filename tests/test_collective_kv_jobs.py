@@ -143,7 +143,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
         + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2"]
         + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN]
-        + ["--base-distill-weight", "1"],
+        + ["--base-distill-weight", "1", "--tune", "kv"],
     )
     assert fit["init_tokens"] == 100 and fit["pool_size"] == 16
     # 40 users in batches of 8 are 5 steps an epoch; --max-steps cut the fine-tune at 2
@@ -171,6 +171,18 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
     assert all(np.array_equal(a, b) for a, b in zip(xs_a, xs_b, strict=True))
     model, marker = data.load_checkpoint(fit["checkpoint"])
     assert model.cfg.collective_kv.user_dim == 2 and marker["base_checkpoint"] == base["checkpoint"]
+    # --tune kv: the fine-tune moved the cache's routers, pools and user projections from their
+    # fitted start and left every other weight exactly the base's
+    tuned = set(model.compressed_kv_parameters())
+    start = torch.load(
+        io.BytesIO(storage.read_bytes(storage.join(fit["checkpoint"], "train", "init", "model.pt")))
+    )
+    base_weights = data.load_checkpoint(base["checkpoint"])[0].state_dict()
+    for name, w in model.state_dict().items():
+        if name in tuned:
+            assert not torch.equal(w, start[name]), name
+        elif name in base_weights:
+            assert torch.equal(w, base_weights[name]), name
 
     built = run_json(
         capsys,

@@ -540,6 +540,28 @@ def test_low_rank_kv_baseline_scores_like_its_reference_and_starts_from_pca():
     assert exact.layers[0].self_attn.init_low_rank(x) < 1e-6
 
 
+def test_compressed_kv_parameters_are_the_caches_own():
+    """What `train_kv_pool --tune kv` trains: the cache's routers, pools and user projections
+    (or the low-rank maps), per layer; nothing of an uncompressed ranker."""
+    assert tiny_ranker().compressed_kv_parameters() == []
+    ckv = tiny_ranker(CKV_MODES["collective_kv"]).compressed_kv_parameters()
+    per_side = ("router_{}.weight", "router_{}.bias", "pool_{}", "user_{}.weight")
+    assert sorted(ckv) == sorted(
+        f"layers.{i}.self_attn.ckv.{name.format(kv)}"
+        for i in range(2)
+        for kv in "kv"
+        for name in per_side
+    )
+    # a half that is not shared is the layer's own projection: not the cache's to train
+    assert not any(
+        "_v" in n for n in tiny_ranker(CKV_MODES["k_shared_only"]).compressed_kv_parameters()
+    )
+    low = tiny_ranker(kv_rank=4).compressed_kv_parameters()
+    assert sorted(low) == sorted(
+        f"layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("kv_down", "k_up", "v_up")
+    )
+
+
 def test_int8_kv_baseline_bytes_and_error():
     model = tiny_ranker()
     h, c = ragged_history(), candidates()
