@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--base-distill-weight",
         type=float,
-        default=0.0,
+        default=train_kv_pool.BASE_DISTILL_WEIGHT,
         help="weight of KL(uncompressed || fitted) in each fine-tune (train_kv_pool's option)",
     )
     p.add_argument(
