@@ -529,52 +529,6 @@ def test_text_plus_id_starts_as_text_and_learns_residuals_of_seen_items_only():
     assert grad[20].abs().sum() > 0 and grad[59].abs().sum() == 0  # 59 is never seen
 
 
-def test_low_rank_kv_baseline_scores_like_its_reference_and_starts_from_pca():
-    model = tiny_ranker(kv_rank=4)
-    h, c = ragged_history(), candidates()
-    assert_close(model.score(model.prefill(h), c), model.score_reference(h, c), atol=ATOL, rtol=0)
-    x = torch.randn(400, 32)
-    assert 0 < model.layers[0].self_attn.init_low_rank(x) < 1
-    # at the full rank of the joint K/V (d_model 32) the PCA start reconstructs it exactly
-    exact = tiny_ranker(kv_rank=32)
-    assert exact.layers[0].self_attn.init_low_rank(x) < 1e-6
-
-
-def test_compressed_kv_parameters_are_the_caches_own():
-    """What `train_kv_pool --tune kv` trains: the cache's routers, pools and user projections
-    (or the low-rank maps), per layer; nothing of an uncompressed ranker."""
-    assert tiny_ranker().compressed_kv_parameters() == []
-    ckv = tiny_ranker(CKV_MODES["collective_kv"]).compressed_kv_parameters()
-    per_side = ("router_{}.weight", "router_{}.bias", "pool_{}", "user_{}.weight")
-    assert sorted(ckv) == sorted(
-        f"layers.{i}.self_attn.ckv.{name.format(kv)}"
-        for i in range(2)
-        for kv in "kv"
-        for name in per_side
-    )
-    # a half that is not shared is the layer's own projection: not the cache's to train
-    assert not any(
-        "_v" in n for n in tiny_ranker(CKV_MODES["k_shared_only"]).compressed_kv_parameters()
-    )
-    low = tiny_ranker(kv_rank=4).compressed_kv_parameters()
-    assert sorted(low) == sorted(
-        f"layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("kv_down", "k_up", "v_up")
-    )
-
-
-def test_int8_kv_baseline_bytes_and_error():
-    model = tiny_ranker()
-    h, c = ragged_history(), candidates()
-    cache = model.prefill(h)
-    q, nbytes = Ranker.quantize_int8(cache)
-    tokens = int(cache.lengths.sum())  # BOS included
-    assert nbytes == tokens * 2 * 2 * 2 * (8 + 2)  # layers * (K, V) * heads * (int8s + scale)
-    for a, b in zip(cache.k + cache.v, q.k + q.v, strict=True):
-        step = a.abs().amax(-1, keepdim=True) / 127
-        assert ((a - b).abs() <= step * 0.5 + 1e-3 * step).all()  # half a step, scale in fp16
-    assert_close(model.score(q, c), model.score(cache, c), atol=0.05, rtol=0.05)
-
-
 def test_training_batch_positives_cuts_and_next_items_follow_the_window():
     import numpy as np
 
