@@ -27,6 +27,7 @@ def nodes_of(dashboard: str, class_part: str) -> set[str]:
 def main(out_dir: str) -> dict:
     import httpx
     import ray
+    import ray.data
     from ray import serve
     from ray.cluster_utils import Cluster
 
@@ -58,6 +59,10 @@ def main(out_dir: str) -> dict:
         # 60 items in batches of 8: 8 blocks for 2 actors that cannot share a 1-CPU node
         argv = ["--dataset-uri", ds, "--out", out, "--actors", "2", "--batch-size", "8"]
         argv += ["--cpus-per-actor", "0.75"]
+        # Ray Data starts a pool's actors asynchronously and hands blocks to the first one ready:
+        # on a loaded machine it finished all 8 before the second had started on its node (CI,
+        # stop 22). Waiting for the whole pool makes the placement the test checks certain.
+        ray.data.DataContext.get_current().wait_for_min_actors_s = 300
         assert encode_items.main(argv) == 0
         encoder_nodes = nodes_of(f"http://127.0.0.1:{dash}", "EncoderActor")
 
