@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> None:
         help="what each fine-tune trains (train_kv_pool's option): all weights, or the cache's",
     )
     p.add_argument(
+        "--init-tokens",
+        type=int,
+        default=train_kv_pool.INIT_TOKENS,
+        help="cached tokens each configuration's pools are fitted to (train_kv_pool's option)",
+    )
+    p.add_argument(
         "--val-users",
         type=int,
         default=32,
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             run=run,
             ckv=kw.pop("ckv", None),
             tc=tc,
+            init_tokens=a.init_tokens,
             **kw,
         )
         return summary
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             ranks_for(model, users, max_len, n_items, lambda h, _, m=model: m.prefill(h)),
             start_val_ndcg10=s.get("start_val_ndcg10"),
             val_ndcg10=s["val_ndcg10"],
+            init_tokens=s.get("init_tokens"),
             fit_seconds=s["seconds"],
         )
     from models.config import CollectiveKVConfig
@@ -247,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             collapsed=manifest["collapsed_routers"],
             start_val_ndcg10=s.get("start_val_ndcg10"),
             val_ndcg10=s["val_ndcg10"],
+            init_tokens=s.get("init_tokens"),
             fit_seconds=s["seconds"],
         )
     base_ndcg = rows[0]["ndcg10"]
@@ -262,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         "fine_tune_base_distill_weight": a.base_distill_weight,
         "fine_tune_tune": a.tune,
         "fine_tune_val_users": a.val_users,
+        "init_tokens": a.init_tokens,
         "states_of": "sampled test users" if a.sample_states else "all users",
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),

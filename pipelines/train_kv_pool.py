@@ -3,14 +3,15 @@
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
         [--pool-size 1024] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
-        [--run NAME] [--resume] [--base-distill-weight W] [--tune all|kv]
+        [--run NAME] [--resume] [--base-distill-weight W] [--tune all|kv] [--init-tokens N]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
 
 1. **Collect** (Ray Data): an actor pool runs the trained ranker over a seeded sample of users'
    histories and returns, per layer, the hidden states K and V are projected from
    (``Ranker.kv_inputs``), up to ``--init-tokens`` cached tokens in all. By default it takes
    as many users as those tokens need (``--init-users`` caps the users instead): amazon's
-   histories are short, and 512 users gave 1,024 pool entries only ~4,000 tokens to fit.
+   histories are short, and 512 users gave 1,024 pool entries only ~4,000 tokens to fit. A
+   larger pool needs more tokens (the job warns under 20 an entry).
 2. **Initialise**: per layer the shared part of K and of V is vector-quantised by k-means into
    the pool (``models.collective_kv.init_from_projections``). k-means rather than an SVD
    because a CollectiveKV token reads exactly ONE pool entry: that is a codebook, and k-means is
@@ -62,6 +63,10 @@ FINE_TUNE_LR = 1e-4
 # weight of KL(trained ranker || compressed) in the fine-tune (train_ranker's
 # --base-distill-weight)
 BASE_DISTILL_WEIGHT = 1.0
+INIT_TOKENS = 50_000  # cached tokens k-means fits the pools to
+# fewer fitted tokens per pool entry than this and the job says to raise --init-tokens: M 4096
+# on amazon's a6 from 200,000 tokens (49 an entry) had half the k-means error of M 1024 from 50,000
+MIN_TOKENS_PER_ENTRY = 20
 
 
 class KVInputs(RankerActor):
@@ -147,7 +152,7 @@ def fit(
     kv_rank: int = 0,
     init: str = "fit",
     init_users: int = 0,
-    init_tokens: int = 50_000,
+    init_tokens: int = INIT_TOKENS,
     resume: bool = False,
 ) -> dict:
     import torch
@@ -199,6 +204,15 @@ def fit(
                 )
             init_stats |= {f"layer{i}_{k}": round(v, 4) for k, v in stats.items()}
         init_stats["init_tokens"] = len(user)
+        if not kv_rank and len(user) < MIN_TOKENS_PER_ENTRY * ckv.pool_size:
+            log.warning(
+                "k-means fitted %d pool entries to %d tokens (%.1f an entry): give --init-tokens "
+                "%d or more, or a smaller --pool-size",
+                ckv.pool_size,
+                len(user),
+                len(user) / ckv.pool_size,
+                MIN_TOKENS_PER_ENTRY * ckv.pool_size,
+            )
         init_stats["init_seconds"] = round(time.perf_counter() - t_init, 1)
         log.info("pools initialised from %d tokens: %s", len(user), init_stats)
     summary = train(
@@ -277,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="users whose KV the pools are fitted to (0: as many as --init-tokens need)",
     )
-    g.add_argument("--init-tokens", type=int, default=50_000, help="cached tokens to fit")
+    g.add_argument(
+        "--init-tokens", type=int, default=INIT_TOKENS, help="cached tokens the pools are fitted to"
+    )
     add_train_args(p)
     # fine-tuning from a trained ranker needs far fewer epochs than training it; over so few
     # steps a weight average would mostly hold the starting weights, so it is off; the low

@@ -4,6 +4,7 @@ read back, and its ratio the closed form."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -17,11 +18,16 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     ds, out = tiny["dataset"], tiny["out"]
     base = train_tiny_base(capsys, ds, out)
     path = tmp_path / "sweep.json"
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("kvrank.train_kv_pool").addHandler(catch)
     kv_sweep.main(
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
         + ["--configs", "16:2", "--low-ranks", "4", "--max-users", "20"]
         + ["--max-steps", "2", "--val-users", "8", "--sample-states", "--json", str(path)]
         + ["--lr", "0"]  # the fitted start, unchanged by the fine-tune: see the last check
+        + ["--init-tokens", "150"]
     )
     result = json.loads(path.read_text())
     rows = {r["method"]: r for r in result["rows"]}
@@ -35,6 +41,17 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     }
     assert {m: r["ratio"] for m, r in rows.items()} == pytest.approx(expected, abs=1e-5)
     assert result["test_users"] == 20 and result["states_of"] == "sampled test users"
+    # every fit drew its pools (or its low-rank maps) from exactly the tokens asked for
+    assert result["init_tokens"] == 150
+    fits = ("low-rank KV, R=4", "CollectiveKV M=16 d_u=2")
+    assert {rows[m]["init_tokens"] for m in fits} == {150}
+    logging.getLogger("kvrank.train_kv_pool").removeHandler(catch)
+    # 150 tokens for 16 entries is under 20 an entry: the job says so (once: the low-rank fit
+    # has no pool)
+    assert [w for w in warned if "give --init-tokens 320 or more" in w] == [
+        "k-means fitted 16 pool entries to 150 tokens (9.4 an entry): give --init-tokens 320 "
+        "or more, or a smaller --pool-size"
+    ]
     for r in rows.values():
         assert 0 <= r["ndcg10"] <= r["hr10"] <= 1
     ckv = rows["CollectiveKV M=16 d_u=2"]
