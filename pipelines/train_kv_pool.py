@@ -69,6 +69,23 @@ INIT_TOKENS = 50_000  # cached tokens k-means fits the pools to
 MIN_TOKENS_PER_ENTRY = 20
 
 
+def thin_pool_advice(pool_size: int, tokens: int, asked: int) -> str | None:
+    """What to change when k-means fitted ``pool_size`` entries to fewer than
+    MIN_TOKENS_PER_ENTRY ``tokens`` each (None when enough). ``asked``: the --init-tokens the
+    job was given (0 when --init-users capped the users instead); fewer came back when the
+    dataset holds no more, and then only a smaller pool helps (ml-latest-small's e3 ranker has
+    26,415 cached tokens: M=1,320 at most)."""
+    if tokens >= MIN_TOKENS_PER_ENTRY * pool_size:
+        return None
+    share = tokens / pool_size
+    fitted = f"k-means fitted {pool_size} pool entries to {tokens} tokens ({share:.1f} an entry)"
+    if tokens < asked:
+        most = tokens // MIN_TOKENS_PER_ENTRY
+        return f"{fitted}: the dataset has no more cached tokens, give --pool-size {most} or less"
+    need = MIN_TOKENS_PER_ENTRY * pool_size
+    return f"{fitted}: give --init-tokens {need} or more, or a smaller --pool-size"
+
+
 class KVInputs(RankerActor):
     """Ray Data callable class: per cached token of a batch of users, each layer's normed
     input (the x that K and V are projected from) and the token's user."""
@@ -204,15 +221,13 @@ def fit(
                 )
             init_stats |= {f"layer{i}_{k}": round(v, 4) for k, v in stats.items()}
         init_stats["init_tokens"] = len(user)
-        if not kv_rank and len(user) < MIN_TOKENS_PER_ENTRY * ckv.pool_size:
-            log.warning(
-                "k-means fitted %d pool entries to %d tokens (%.1f an entry): give --init-tokens "
-                "%d or more, or a smaller --pool-size",
-                ckv.pool_size,
-                len(user),
-                len(user) / ckv.pool_size,
-                MIN_TOKENS_PER_ENTRY * ckv.pool_size,
-            )
+        advice = (
+            None
+            if kv_rank
+            else thin_pool_advice(ckv.pool_size, len(user), 0 if init_users else init_tokens)
+        )
+        if advice:
+            log.warning(advice)
         init_stats["init_seconds"] = round(time.perf_counter() - t_init, 1)
         log.info("pools initialised from %d tokens: %s", len(user), init_stats)
     summary = train(

@@ -61,3 +61,21 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     # leaves them as they were, so the epoch validates exactly as the start did
     for method in ("CollectiveKV M=16 d_u=2", "low-rank KV, R=4"):
         assert 0 <= rows[method]["start_val_ndcg10"] == rows[method]["val_ndcg10"] <= 1
+
+
+def test_a_thin_pool_is_told_what_would_fill_it():
+    from pipelines.train_kv_pool import thin_pool_advice
+
+    assert thin_pool_advice(1024, 50_000, 50_000) is None  # 48.8 an entry: enough
+    # the tokens asked for came back: more of them would fill the pool
+    assert thin_pool_advice(4096, 50_000, 50_000) == (
+        "k-means fitted 4096 pool entries to 50000 tokens (12.2 an entry): "
+        "give --init-tokens 81920 or more, or a smaller --pool-size"
+    )
+    # fewer came back than asked (ml-latest-small's e3 holds 26,415): only a smaller pool helps
+    assert thin_pool_advice(4096, 26_415, 50_000) == (
+        "k-means fitted 4096 pool entries to 26415 tokens (6.4 an entry): "
+        "the dataset has no more cached tokens, give --pool-size 1320 or less"
+    )
+    # --init-users capped the users (asked 0): more tokens may exist, so ask for them
+    assert "give --init-tokens 81920" in thin_pool_advice(4096, 26_415, 0)
