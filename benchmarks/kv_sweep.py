@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--init-tokens",
         type=int,
-        default=train_kv_pool.INIT_TOKENS,
-        help="cached tokens each configuration's pools are fitted to (train_kv_pool's option)",
+        default=0,
+        help="cached tokens each configuration's pools are fitted to (train_kv_pool's option; "
+        f"0: {train_kv_pool.INIT_TOKENS_PER_ENTRY} a pool entry)",
     )
     p.add_argument(
         "--val-users",
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         "fine_tune_base_distill_weight": a.base_distill_weight,
         "fine_tune_tune": a.tune,
         "fine_tune_val_users": a.val_users,
-        "init_tokens": a.init_tokens,
+        "init_tokens": a.init_tokens or f"{train_kv_pool.INIT_TOKENS_PER_ENTRY} an entry",
         "states_of": "sampled test users" if a.sample_states else "all users",
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),

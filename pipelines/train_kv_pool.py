@@ -2,7 +2,7 @@
 
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text --out out \\
-        [--pool-size 1024] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
+        [--pool-size auto|M] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
         [--run NAME] [--resume] [--base-distill-weight W] [--tune all|kv] [--init-tokens N]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
 
@@ -10,8 +10,11 @@
    histories and returns, per layer, the hidden states K and V are projected from
    (``Ranker.kv_inputs``), up to ``--init-tokens`` cached tokens in all. By default it takes
    as many users as those tokens need (``--init-users`` caps the users instead): amazon's
-   histories are short, and 512 users gave 1,024 pool entries only ~4,000 tokens to fit. A
-   larger pool needs more tokens (the job warns under 20 an entry).
+   histories are short, and 512 users gave 1,024 pool entries only ~4,000 tokens to fit. By
+   default it asks for 50 tokens a pool entry (the job warns under 20), and ``--pool-size
+   auto`` (the default) makes M the largest power of two up to 4,096 that the dataset's cached
+   tokens fill with 20 each: 1,024 on ml-latest-small (26,415 tokens), 4,096 on amazon
+   (~400,000). The stored index is a uint16 either way, so M costs no state bytes.
 2. **Initialise**: per layer the shared part of K and of V is vector-quantised by k-means into
    the pool (``models.collective_kv.init_from_projections``). k-means rather than an SVD
    because a CollectiveKV token reads exactly ONE pool entry: that is a codebook, and k-means is
@@ -63,10 +66,47 @@ FINE_TUNE_LR = 1e-4
 # weight of KL(trained ranker || compressed) in the fine-tune (train_ranker's
 # --base-distill-weight)
 BASE_DISTILL_WEIGHT = 1.0
-INIT_TOKENS = 50_000  # cached tokens k-means fits the pools to
-# fewer fitted tokens per pool entry than this and the job says to raise --init-tokens: M 4096
-# on amazon's a6 from 200,000 tokens (49 an entry) had half the k-means error of M 1024 from 50,000
+# cached tokens k-means fits each pool entry to unless --init-tokens says otherwise: M 1024 from
+# 50,000 kept 97% of amazon's uncompressed NDCG@10 and 102% of ml's; M 4096 from 200,000 (49
+# an entry) halved every layer's k-means error and kept 101% on amazon (README, "CollectiveKV
+# measured")
+INIT_TOKENS_PER_ENTRY = 50
+LOW_RANK_INIT_TOKENS = 50_000  # what the low-rank (--kv-rank) baseline's PCA is fitted to
+# fewer fitted tokens per pool entry than this and the job says to raise --init-tokens
 MIN_TOKENS_PER_ENTRY = 20
+# --pool-size auto: the largest power of two in this range that the dataset's cached tokens fill
+# with MIN_TOKENS_PER_ENTRY each. The stored index is a uint16 whatever M is, so a larger pool
+# costs no state bytes; it costs the routers' d_model x M logits per cached token at prefill and
+# the fitting time, and 4096 is the largest M measured (ml's 26,415 tokens fill 1024, amazon's
+# ~400,000 fill 4096)
+AUTO_POOL_SIZES = (16, 4096)
+
+
+def auto_pool_size(tokens: int) -> int:
+    """The pool size ``--pool-size auto`` picks for ``tokens`` cached tokens to fit it to: the
+    largest power of two in AUTO_POOL_SIZES with MIN_TOKENS_PER_ENTRY of them an entry (the
+    smallest when even that has fewer)."""
+    low, m = AUTO_POOL_SIZES
+    while m > low and tokens < MIN_TOKENS_PER_ENTRY * m:
+        m //= 2
+    return m
+
+
+def default_init_tokens(pool_size: int | None) -> int:
+    """--init-tokens when not given: INIT_TOKENS_PER_ENTRY per pool entry (None: the low-rank
+    baseline, which has no pool)."""
+    return LOW_RANK_INIT_TOKENS if pool_size is None else INIT_TOKENS_PER_ENTRY * pool_size
+
+
+def pool_size_arg(text: str) -> int | str:
+    """argparse type of --pool-size: a whole number >= 2, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        msg = f"expected a whole number or 'auto', got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def thin_pool_advice(pool_size: int, tokens: int, asked: int) -> str | None:
@@ -116,6 +156,33 @@ def sample_users(
     return seqs[np.sort(order)]
 
 
+def fitting_users(
+    dataset_uri: str, checkpoint: str, min_history: int = 1
+) -> tuple[pl.DataFrame, int]:
+    """The users K and V can be collected from (``min_history``+ training history items) and
+    the ranker's ``max_len``, the most history items a user caches."""
+    seqs = user_sequences(dataset_uri).select("user_id", "hist", "hist_fb")
+    seqs = seqs.filter(pl.col("hist").list.len() >= max(1, min_history))
+    if seqs.height == 0:
+        raise InputError(
+            f"{dataset_uri}: no user has {max(1, min_history)}+ history items to collect K and "
+            "V from"
+        )
+    max_len = int(storage.read_json(storage.join(checkpoint, "train.json"))["max_len"])
+    return seqs, max_len
+
+
+def cached_tokens(dataset_uri: str, checkpoint: str, *, users: int, seed: int) -> int:
+    """How many cached tokens ``collect_kv_inputs`` can return with ``users`` (0: every user
+    with a history, else that many seeded users - the same ones it samples)."""
+    seqs, max_len = fitting_users(dataset_uri, checkpoint)
+    if users:
+        seqs = sample_users(
+            seqs, np.random.default_rng(seed), users=users, max_tokens=0, max_len=max_len
+        )
+    return int((seqs["hist"].list.len().clip(upper_bound=max_len) + 1).sum())
+
+
 def collect_kv_inputs(
     checkpoint: str,
     dataset_uri: str,
@@ -131,15 +198,8 @@ def collect_kv_inputs(
     seeded random users with ``min_history``+ history items (their training histories), via a
     Ray Data actor pool: ``users`` of them, or with ``users`` 0 as many as the tokens need."""
 
-    seqs = user_sequences(dataset_uri).select("user_id", "hist", "hist_fb")
-    seqs = seqs.filter(pl.col("hist").list.len() >= max(1, min_history))
-    if seqs.height == 0:
-        raise InputError(
-            f"{dataset_uri}: no user has {max(1, min_history)}+ history items to collect K and "
-            "V from"
-        )
+    seqs, max_len = fitting_users(dataset_uri, checkpoint, min_history)
     rng = np.random.default_rng(seed)
-    max_len = int(storage.read_json(storage.join(checkpoint, "train.json"))["max_len"])
     seqs = sample_users(seqs, rng, users=users, max_tokens=max_tokens, max_len=max_len)
     res = map_with_rankers(
         seqs.to_arrow(), KVInputs, checkpoint, vectors_uri, actors=actors, batch_size=16
@@ -169,9 +229,13 @@ def fit(
     kv_rank: int = 0,
     init: str = "fit",
     init_users: int = 0,
-    init_tokens: int = INIT_TOKENS,
+    init_tokens: int = 0,
     resume: bool = False,
+    pool_size_auto: bool = False,
 ) -> dict:
+    """Collect, initialise and fine-tune (the module's steps 1-3). ``init_tokens`` 0: the
+    default for the pool size (``default_init_tokens``). ``pool_size_auto``: ``ckv``'s pool
+    size is replaced by ``auto_pool_size`` of the cached tokens there are to fit to."""
     import torch
 
     from models.collective_kv import compression_ratio, init_from_projections
@@ -190,6 +254,13 @@ def fit(
             f"{checkpoint} was trained on {marker['n_items']} items, "
             f"{dataset_uri} has {dmarker['items']}"
         )
+    auto: dict = {}
+    if pool_size_auto and not kv_rank:
+        available = cached_tokens(dataset_uri, checkpoint, users=init_users, seed=tc.seed)
+        tokens = min(available, init_tokens) if init_tokens else available
+        ckv = dataclasses.replace(ckv, pool_size=auto_pool_size(tokens))
+        auto = {"pool_size_auto": True, "cached_tokens": available}
+        log.info("--pool-size auto: M=%d for the %d cached tokens to fit to", ckv.pool_size, tokens)
     if kv_rank:
         rc = dataclasses.replace(base.cfg, kv_rank=kv_rank)
         name = run or f"{dmarker['name']}-lowrank-r{kv_rank}"
@@ -201,6 +272,7 @@ def fit(
     model = Ranker(rc, n_items=int(marker["n_items"]))
     model.load_state_dict(base.state_dict(), strict=False)  # everything but the new modules
     init_stats: dict = {"init": init}
+    init_tokens = init_tokens or default_init_tokens(None if kv_rank else ckv.pool_size)
     if init == "fit" and not resume:
         t_init = time.perf_counter()
         xs, user = collect_kv_inputs(
@@ -256,7 +328,7 @@ def fit(
         **summary,
         "job": "train_kv_pool",
         "base_checkpoint": checkpoint,
-        **({"kv_rank": kv_rank} if kv_rank else {"pool_size": ckv.pool_size}),
+        **({"kv_rank": kv_rank} if kv_rank else {"pool_size": ckv.pool_size, **auto}),
         **({} if kv_rank else {"user_dim": ckv.user_dim, "share": ckv.share}),
         "ratio": round(ratio, 5),
         "base_distill_weight": tc.base_distill_weight,
@@ -277,7 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", default=None, help="default: <dataset>-ckv-m<M>-u<d_u>")
     p.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
     g = p.add_argument_group("CollectiveKV")
-    g.add_argument("--pool-size", type=int, default=1024, help="M, entries per pool")
+    g.add_argument(
+        "--pool-size",
+        type=pool_size_arg,
+        default="auto",
+        help="M, entries per pool (stored as a uint16 index up to 65,536); auto: the largest "
+        f"power of two up to {AUTO_POOL_SIZES[1]} that the cached tokens fill with "
+        f"{MIN_TOKENS_PER_ENTRY} each",
+    )
     g.add_argument("--user-dim", type=int, default=1, help="d_u, user numbers per K and per V")
     g.add_argument(
         "--share",
@@ -307,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         help="users whose KV the pools are fitted to (0: as many as --init-tokens need)",
     )
     g.add_argument(
-        "--init-tokens", type=int, default=INIT_TOKENS, help="cached tokens the pools are fitted to"
+        "--init-tokens",
+        type=int,
+        default=0,
+        help=f"cached tokens the pools are fitted to (0: {INIT_TOKENS_PER_ENTRY} an entry, "
+        f"{LOW_RANK_INIT_TOKENS} for --kv-rank)",
     )
     add_train_args(p)
     # fine-tuning from a trained ranker needs far fewer epochs than training it; over so few
@@ -328,9 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     def job() -> dict:
         from models.config import ConfigError
 
+        if a.init_users < 0 or a.init_tokens < 0:
+            raise InputError("--init-users and --init-tokens must be >= 0")
+        auto = a.pool_size == "auto"
         try:
             ckv = CollectiveKVConfig(
-                pool_size=a.pool_size,
+                # auto: fit() sizes it once it has checked the dataset and checkpoint
+                pool_size=CollectiveKVConfig.pool_size if auto else a.pool_size,
                 user_dim=a.user_dim,
                 peak_weight=a.peak_weight,
                 balance_weight=a.balance_weight,
@@ -340,8 +427,6 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(str(e)) from e
         if a.kv_rank < 0:
             raise InputError(f"--kv-rank must be >= 0, got {a.kv_rank}")
-        if a.init_users < 0 or a.init_tokens <= 0:
-            raise InputError("--init-users must be >= 0 and --init-tokens > 0")
         return fit(
             a.dataset_uri,
             a.checkpoint,
@@ -354,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             init_users=a.init_users,
             init_tokens=a.init_tokens,
             resume=a.resume,
+            pool_size_auto=auto,
         )
 
     return jobs.run(job)

@@ -141,11 +141,14 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         capsys,
         train_kv_pool.main,
         ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
-        + ["--run", "ckv", "--pool-size", "16", "--user-dim", "2"]
+        + ["--run", "ckv", "--user-dim", "2"]  # --pool-size auto, the default
         + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN]
         + ["--base-distill-weight", "1", "--tune", "kv"],
     )
-    assert fit["init_tokens"] == 100 and fit["pool_size"] == 16
+    # auto sizes the pool to the 100 tokens it was given to fit to: under 20 an entry even at the
+    # smallest automatic size, so that one
+    assert fit["init_tokens"] == 100 and fit["pool_size_auto"]
+    assert fit["pool_size"] == train_kv_pool.AUTO_POOL_SIZES[0] == 16
     # 40 users in batches of 8 are 5 steps an epoch; --max-steps cut the fine-tune at 2
     history = storage.read_json(storage.join(fit["checkpoint"], "metrics.json"))
     assert [m["steps"] for m in history] == [2]
@@ -169,6 +172,15 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
         len(user_a) == 100 and np.array_equal(user_a, user_b) and user_a.tolist() == sorted(user_a)
     )
     assert all(np.array_equal(a, b) for a, b in zip(xs_a, xs_b, strict=True))
+    # what auto counts as the cached tokens there are is what a collection without a token cap
+    # returns: every user's, or those of the seeded users --init-users samples
+    for users in (0, 7):
+        _, everything = train_kv_pool.collect_kv_inputs(
+            base["checkpoint"], ds, users=users, max_tokens=10**9, actors=1
+        )
+        counted = train_kv_pool.cached_tokens(ds, base["checkpoint"], users=users, seed=0)
+        assert counted == len(everything) and (users or counted == fit["cached_tokens"])
+    assert len(np.unique(everything)) == 7
     model, marker = data.load_checkpoint(fit["checkpoint"])
     assert model.cfg.collective_kv.user_dim == 2 and marker["base_checkpoint"] == base["checkpoint"]
     # --tune kv: the fine-tune moved the cache's routers, pools and user projections from their

@@ -79,3 +79,21 @@ def test_a_thin_pool_is_told_what_would_fill_it():
     )
     # --init-users capped the users (asked 0): more tokens may exist, so ask for them
     assert "give --init-tokens 81920" in thin_pool_advice(4096, 26_415, 0)
+
+
+def test_auto_pool_size_is_the_largest_the_tokens_fill():
+    import argparse
+
+    from pipelines import train_kv_pool as t
+
+    # 20 tokens an entry: ml-latest-small's 26,415 cached tokens fill 1,024 entries, not 2,048;
+    # amazon's ~400,000 fill more than the largest automatic size
+    assert t.auto_pool_size(26_415) == 1024
+    assert (t.auto_pool_size(40_960), t.auto_pool_size(40_959)) == (2048, 1024)
+    assert t.auto_pool_size(400_000) == t.AUTO_POOL_SIZES[1] == 4096
+    assert t.auto_pool_size(0) == t.AUTO_POOL_SIZES[0]
+    # the tokens fitted by default grow with the pool: 204,800 for 4,096 entries
+    assert t.default_init_tokens(4096) == 204_800 and t.default_init_tokens(None) == 50_000
+    assert t.pool_size_arg("auto") == "auto" and t.pool_size_arg("256") == 256
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number or 'auto', got 'big'"):
+        t.pool_size_arg("big")
