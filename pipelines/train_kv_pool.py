@@ -142,16 +142,22 @@ class KVInputs(RankerActor):
         return out
 
 
+def user_tokens(seqs: pl.DataFrame, max_len: int) -> np.ndarray:
+    """Cached tokens per user of ``seqs``: the last ``max_len`` history items and the first
+    token."""
+    return seqs["hist"].list.len().clip(upper_bound=max_len).to_numpy() + 1
+
+
 def sample_users(
     seqs: pl.DataFrame, rng: np.random.Generator, *, users: int, max_tokens: int, max_len: int
 ) -> pl.DataFrame:
     """``users`` random users, or with ``users`` 0 the fewest random users whose cached tokens
-    (the last ``max_len`` history items and the first token each) reach ``max_tokens``."""
+    (``user_tokens``) reach ``max_tokens``."""
     order = rng.permutation(seqs.height)
     if users:
         order = order[:users]
     else:
-        tokens = seqs["hist"].list.len().clip(upper_bound=max_len).to_numpy()[order] + 1
+        tokens = user_tokens(seqs, max_len)[order]
         order = order[: int(np.searchsorted(np.cumsum(tokens), max_tokens)) + 1]
     return seqs[np.sort(order)]
 
@@ -180,7 +186,7 @@ def cached_tokens(dataset_uri: str, checkpoint: str, *, users: int, seed: int) -
         seqs = sample_users(
             seqs, np.random.default_rng(seed), users=users, max_tokens=0, max_len=max_len
         )
-    return int((seqs["hist"].list.len().clip(upper_bound=max_len) + 1).sum())
+    return int(user_tokens(seqs, max_len).sum())
 
 
 def collect_kv_inputs(
