@@ -159,16 +159,45 @@ def main(argv: list[str] | None = None) -> None:
         ema_decay=0.0,  # as train_kv_pool: a one-epoch fine-tune, no weight average
     )
     rows = []
+    path = a.json or f"benchmarks/results/kv_sweep_{marker['name']}.json"
+    t0 = time.perf_counter()
+
+    def report(complete: bool) -> None:
+        """The JSON so far: rewritten after every row, so a sweep of hours that is stopped
+        keeps the rows it finished (``complete`` false until the last)."""
+        write(
+            path,
+            {
+                "dataset": marker["name"],
+                "checkpoint": checkpoint,
+                "test_users": users.height,
+                "fine_tune_epochs": a.epochs,
+                "fine_tune_max_steps": a.max_steps or None,
+                "fine_tune_lr": a.lr,
+                "fine_tune_base_distill_weight": a.base_distill_weight,
+                "fine_tune_tune": a.tune,
+                "fine_tune_val_users": a.val_users,
+                "init_tokens": a.init_tokens or f"{train_kv_pool.INIT_TOKENS_PER_ENTRY} an entry",
+                "states_of": "sampled test users" if a.sample_states else "all users",
+                "complete": complete,
+                "rows": rows,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "machine": machine(),
+            },
+        )
 
     def add(method: str, ratio: float, ranks: np.ndarray, **extra) -> None:
         nd, hr = ndcg(ranks)
-        rows.append({"method": method, "ratio": round(ratio, 5), "ndcg10": nd, "hr10": hr} | extra)
+        base_ndcg = rows[0]["ndcg10"] if rows else nd  # the uncompressed row comes first
+        vs = round(nd / base_ndcg, 4) if base_ndcg else None
+        row = {"method": method, "ratio": round(ratio, 5), "ndcg10": nd, "hr10": hr}
+        rows.append(row | {"ndcg_vs_uncompressed": vs} | extra)
         print(
             f"{method:<34} ratio {ratio:8.5f}  NDCG@10 {nd:.4f}  HR@10 {hr:.4f}  {extra}",
             flush=True,
         )
+        report(complete=False)
 
-    t0 = time.perf_counter()
     full_ranks = ranks_for(base, users, max_len, n_items, lambda h, _: base.prefill(h))
     add("uncompressed fp16 KV", 1.0, full_ranks)
     cfg = base.cfg
@@ -259,27 +288,7 @@ def main(argv: list[str] | None = None) -> None:
             init_tokens=s.get("init_tokens"),
             fit_seconds=s["seconds"],
         )
-    base_ndcg = rows[0]["ndcg10"]
-    for r in rows:
-        r["ndcg_vs_uncompressed"] = round(r["ndcg10"] / base_ndcg, 4) if base_ndcg else None
-    result = {
-        "dataset": marker["name"],
-        "checkpoint": checkpoint,
-        "test_users": users.height,
-        "fine_tune_epochs": a.epochs,
-        "fine_tune_max_steps": a.max_steps or None,
-        "fine_tune_lr": a.lr,
-        "fine_tune_base_distill_weight": a.base_distill_weight,
-        "fine_tune_tune": a.tune,
-        "fine_tune_val_users": a.val_users,
-        "init_tokens": a.init_tokens or f"{train_kv_pool.INIT_TOKENS_PER_ENTRY} an entry",
-        "states_of": "sampled test users" if a.sample_states else "all users",
-        "rows": rows,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "machine": machine(),
-    }
-    path = a.json or f"benchmarks/results/kv_sweep_{marker['name']}.json"
-    write(path, result)
+    report(complete=True)
     print("| method | ratio | NDCG@10 | vs uncompressed | HR@10 | router use | entropy (bits) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

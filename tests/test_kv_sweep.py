@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from benchmarks import kv_sweep
+from pipelines import train_kv_pool
 from tests.tiny import train_tiny_base
 
 
@@ -41,6 +42,7 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     }
     assert {m: r["ratio"] for m, r in rows.items()} == pytest.approx(expected, abs=1e-5)
     assert result["test_users"] == 20 and result["states_of"] == "sampled test users"
+    assert result["complete"] is True
     # every fit drew its pools (or its low-rank maps) from exactly the tokens asked for
     assert result["init_tokens"] == 150
     fits = ("low-rank KV, R=4", "CollectiveKV M=16 d_u=2")
@@ -61,6 +63,32 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     # leaves them as they were, so the epoch validates exactly as the start did
     for method in ("CollectiveKV M=16 d_u=2", "low-rank KV, R=4"):
         assert 0 <= rows[method]["start_val_ndcg10"] == rows[method]["val_ndcg10"] <= 1
+
+
+def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
+    tiny, ray_local, tmp_path, capsys, monkeypatch
+):
+    ds, out = tiny["dataset"], tiny["out"]
+    base = train_tiny_base(capsys, ds, out)
+    path = tmp_path / "sweep.json"
+
+    def stopped(*args, **kwargs):
+        raise RuntimeError("the session ran out")
+
+    monkeypatch.setattr(train_kv_pool, "fit", stopped)
+    with pytest.raises(RuntimeError, match="ran out"):
+        kv_sweep.main(
+            ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
+            + ["--configs", "16:1", "--low-ranks", "", "--max-users", "20", "--json", str(path)]
+        )
+    result = json.loads(path.read_text())
+    # the two baselines scored before the first fit are on disk, marked incomplete
+    assert result["complete"] is False
+    assert [r["method"] for r in result["rows"]] == [
+        "uncompressed fp16 KV",
+        "int8 KV (scale per token, head)",
+    ]
+    assert result["rows"][0]["ndcg_vs_uncompressed"] == 1.0
 
 
 def test_a_thin_pool_is_told_what_would_fill_it():
