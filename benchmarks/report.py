@@ -14,7 +14,11 @@ def machine() -> dict:
 
 
 def write(path: str, report: dict) -> None:
-    """Write ``report`` as indented JSON to ``path``, creating its folder."""
+    """Write ``report`` as indented JSON to ``path``, creating its folder. The file is replaced
+    whole (written beside it, then renamed), so a run killed while writing leaves the last
+    complete report, never half of one."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(report, f, indent=2)
+    os.replace(tmp, path)
