@@ -19,6 +19,7 @@ prints the table.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 
@@ -56,6 +57,72 @@ def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 3
 def ndcg(ranks: np.ndarray) -> tuple[float, float]:
     r = ranks.astype(np.float64)
     return float(np.where(r < 10, 1 / np.log2(r + 2), 0).mean()), float((r < 10).mean())
+
+
+INT8 = "int8 KV (scale per token, head)"
+# How far a resumed sweep's checkpoint may score from the uncompressed row it stored: a sixth
+# of the standard error of NDCG@10 on 1,000 test users (~0.006). Retrained by the same command
+# and seed, a checkpoint scores the same test users alike; a different checkpoint under the
+# same path (another recipe, another seed) does not, and its rows would not be comparable.
+RESUME_TOLERANCE = 0.001
+
+
+def read_previous(path: str, settings: dict) -> dict:
+    """The sweep to resume (its JSON, as written), checked to have been run with ``settings``;
+    raises SystemExit naming what differs."""
+    try:
+        with open(path) as f:
+            before = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"--resume: there is no sweep at {path} to resume") from None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--resume: {path} is not a sweep's JSON ({e})") from None
+    differ = [
+        f"{k}: {before.get(k)!r} there, {v!r} now"
+        for k, v in settings.items()
+        if before.get(k) != v
+    ]
+    if differ:
+        raise SystemExit(
+            f"--resume: {path} was run with other settings, so its rows would not compare "
+            "with new ones (" + "; ".join(differ) + ")"
+        )
+    rows = before.get("rows") or []
+    if not rows or rows[0].get("method") != "uncompressed fp16 KV":
+        raise SystemExit(f"--resume: {path} has no uncompressed row to compare against")
+    return before
+
+
+def unfinished(path: str) -> bool:
+    """Whether ``path`` holds a sweep's JSON that was stopped before its last row."""
+    try:
+        with open(path) as f:
+            return json.load(f).get("complete") is False
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def same_base(previous: dict, scored: tuple[float, float]) -> list[dict]:
+    """The previous rows, once the checkpoint has scored its uncompressed row within
+    RESUME_TOLERANCE of what was stored (NDCG@10, HR@10 in ``scored``)."""
+    stored = previous["rows"][0]
+    nd, hr = scored
+    if abs(nd - stored["ndcg10"]) > RESUME_TOLERANCE:
+        raise SystemExit(
+            f"--resume: the checkpoint scores NDCG@10 {nd:.4f} (HR@10 {hr:.4f}) uncompressed, "
+            f"the sweep being resumed stored {stored['ndcg10']:.4f} (HR@10 {stored['hr10']:.4f}): "
+            "it is not the ranker those rows were fitted to"
+        )
+    log.info(
+        "resuming %d rows: the checkpoint scores uncompressed NDCG@10 %.6f, HR@10 %.4f "
+        "(stored: %.6f, %.4f)",
+        len(previous["rows"]),
+        nd,
+        hr,
+        stored["ndcg10"],
+        stored["hr10"],
+    )
+    return list(previous["rows"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,6 +199,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--json", default=None, help="default: benchmarks/results/kv_sweep_<dataset>.json"
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep already in --json: keep its rows and fit only the rows it "
+        "lacks (its settings must be these, and the checkpoint must score its uncompressed "
+        "row again)",
+    )
     a = p.parse_args(argv)
     shares = a.shares.split(",") + [
         c.split(":")[2] for c in a.configs.split(",") if c.count(":") == 2
@@ -158,32 +232,44 @@ def main(argv: list[str] | None = None) -> None:
         tune=a.tune,
         ema_decay=0.0,  # as train_kv_pool: a one-epoch fine-tune, no weight average
     )
-    rows = []
     path = a.json or f"benchmarks/results/kv_sweep_{marker['name']}.json"
+    # what makes two rows comparable: a resumed sweep must have been run with exactly these
+    settings = {
+        "dataset": marker["name"],
+        "checkpoint": checkpoint,
+        "test_users": users.height,
+        "fine_tune_epochs": a.epochs,
+        "fine_tune_max_steps": a.max_steps or None,
+        "fine_tune_lr": a.lr,
+        "fine_tune_base_distill_weight": a.base_distill_weight,
+        "fine_tune_tune": a.tune,
+        "fine_tune_val_users": a.val_users,
+        "init_tokens": a.init_tokens or f"{train_kv_pool.INIT_TOKENS_PER_ENTRY} an entry",
+        "states_of": "sampled test users" if a.sample_states else "all users",
+    }
+    previous = read_previous(path, settings) if a.resume else None
+    if not a.resume and unfinished(path):
+        raise SystemExit(
+            f"{path} holds a sweep that did not finish: give --resume to continue it, or "
+            "another --json (nothing is overwritten)"
+        )
+    rows: list[dict] = []
     t0 = time.perf_counter()
+    seconds_before = float(previous.get("seconds") or 0) if previous else 0.0
 
     def report(complete: bool) -> None:
         """The JSON so far: rewritten after every row, so a sweep of hours that is stopped
         keeps the rows it finished (``complete`` false until the last)."""
         write(
             path,
-            {
-                "dataset": marker["name"],
-                "checkpoint": checkpoint,
-                "test_users": users.height,
-                "fine_tune_epochs": a.epochs,
-                "fine_tune_max_steps": a.max_steps or None,
-                "fine_tune_lr": a.lr,
-                "fine_tune_base_distill_weight": a.base_distill_weight,
-                "fine_tune_tune": a.tune,
-                "fine_tune_val_users": a.val_users,
-                "init_tokens": a.init_tokens or f"{train_kv_pool.INIT_TOKENS_PER_ENTRY} an entry",
-                "states_of": "sampled test users" if a.sample_states else "all users",
+            settings
+            | {
                 "complete": complete,
                 "rows": rows,
-                "seconds": round(time.perf_counter() - t0, 1),
+                "seconds": round(seconds_before + time.perf_counter() - t0, 1),
                 "machine": machine(),
-            },
+            }
+            | ({"resumed_rows": len(previous["rows"])} if previous else {}),
         )
 
     def add(method: str, ratio: float, ranks: np.ndarray, **extra) -> None:
@@ -199,13 +285,17 @@ def main(argv: list[str] | None = None) -> None:
         report(complete=False)
 
     full_ranks = ranks_for(base, users, max_len, n_items, lambda h, _: base.prefill(h))
-    add("uncompressed fp16 KV", 1.0, full_ranks)
+    if previous:
+        rows.extend(same_base(previous, ndcg(full_ranks)))
+    else:
+        add("uncompressed fp16 KV", 1.0, full_ranks)
+    done = {r["method"] for r in rows}
     cfg = base.cfg
     per_token_fp16 = 2 * cfg.kv_width * 2
     int8_ratio = 2 * (cfg.kv_width + 2 * cfg.n_kv_heads) / per_token_fp16
-    if a.int8:
+    if a.int8 and INT8 not in done:
         add(
-            "int8 KV (scale per token, head)",
+            INT8,
             int8_ratio,
             ranks_for(
                 base, users, max_len, n_items, lambda h, _: base.quantize_int8(base.prefill(h))[0]
@@ -227,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
 
     stamp = time.strftime("%H%M%S")
     for r in [int(x) for x in a.low_ranks.split(",") if x]:
+        if f"low-rank KV, R={r}" in done:
+            continue
         s = fitted(f"sweep-{stamp}-lowrank-r{r}", kv_rank=r)
         model, _, _ = load_ranker(s["checkpoint"])
         add(
@@ -252,6 +344,10 @@ def main(argv: list[str] | None = None) -> None:
             for c in a.configs.split(",")
         ]
     for m, du, share in grid:
+        shared = "" if share == "kv" else f", {share.upper()} shared only"
+        method = f"CollectiveKV M={m} d_u={du}{shared}"
+        if method in done:
+            continue
         run = f"sweep-{stamp}-ckv-m{m}-u{du}" + ("" if share == "kv" else f"-share-{share}")
         ckv = CollectiveKVConfig(pool_size=m, user_dim=du, **CollectiveKVConfig.share_flags(share))
         s = fitted(run, ckv=ckv)
@@ -272,9 +368,8 @@ def main(argv: list[str] | None = None) -> None:
 
         use = [u[f"{kv}_use"] for u in manifest["router_use"] for kv in share]
         bits = [u[f"{kv}_entropy_bits"] for u in manifest["router_use"] for kv in share]
-        shared = "" if share == "kv" else f", {share.upper()} shared only"
         add(
-            f"CollectiveKV M={m} d_u={du}{shared}",
+            method,
             manifest["ratio"],
             ranks_for(model, users, max_len, n_items, from_states),
             pool_size=m,

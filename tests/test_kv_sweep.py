@@ -89,6 +89,40 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
         "int8 KV (scale per token, head)",
     ]
     assert result["rows"][0]["ndcg_vs_uncompressed"] == 1.0
+    monkeypatch.undo()
+
+    # run again without --resume, it refuses before any work and the rows stay on disk
+    args = ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
+    args += ["--configs", "16:1", "--low-ranks", "", "--max-users", "20", "--json", str(path)]
+    stored = path.read_text()
+    with pytest.raises(SystemExit, match="did not finish: give --resume"):
+        kv_sweep.main(args)
+    # resumed with other settings, its rows would not compare: it says which setting differs
+    with pytest.raises(SystemExit, match="test_users: 20 there, 10 now"):
+        kv_sweep.main(args[:-4] + ["--max-users", "10", "--json", str(path), "--resume"])
+    # a checkpoint that does not score the stored uncompressed row is another ranker
+    tampered = json.loads(stored)
+    tampered["rows"][0]["ndcg10"] += 0.01
+    path.write_text(json.dumps(tampered))
+    with pytest.raises(SystemExit, match="not the ranker those rows were fitted to"):
+        kv_sweep.main(args + ["--resume"])
+    assert json.loads(path.read_text()) == tampered  # a refused resume writes nothing
+    path.write_text(stored)
+
+    # resumed: the uncompressed row is scored again (to check it), int8 is not, and only the
+    # missing fit runs; the stored rows come through unchanged
+    scored = []
+    ranks_for = kv_sweep.ranks_for
+    monkeypatch.setattr(
+        kv_sweep, "ranks_for", lambda *a, **kw: scored.append(1) or ranks_for(*a, **kw)
+    )
+    kv_sweep.main(args + ["--resume"])
+    resumed = json.loads(path.read_text())
+    assert resumed["complete"] is True and resumed["resumed_rows"] == 2
+    assert resumed["rows"][:2] == result["rows"]
+    assert [r["method"] for r in resumed["rows"][2:]] == ["CollectiveKV M=16 d_u=1"]
+    assert len(scored) == 2  # uncompressed (the check) + the new row
+    assert resumed["seconds"] >= result["seconds"]
 
 
 def test_a_thin_pool_is_told_what_would_fill_it():
