@@ -179,7 +179,7 @@ class RankerConfig(_JsonConfig):
     user_token: bool = True
     # how an item vector becomes an item token: "linear" (one projection, the default) or "mlp"
     # (Linear, SiLU, Linear). The MLP moves every item's token at once with each update of its
-    # shared weights, and on ml-latest-small it learned slower and ranked worse (README)
+    # shared weights, and on ml-latest-small it learned slower and ranked worse (docs/results.md)
     adapter: str = "linear"
 
     # what a saved config without a field meant: checkpoints from before the user token and

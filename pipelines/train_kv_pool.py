@@ -61,15 +61,15 @@ log = logging.getLogger("kvrank.train_kv_pool")
 
 # The fine-tune starts from trained weights, so it steps at a fifth of the ranker's rate: on the
 # linear-adapter ml ranker, 5e-4 left the stored states at 98.3% of the uncompressed NDCG@10 and
-# 1e-4 at 110% (README, "CollectiveKV measured").
+# 1e-4 at 110% (docs/results.md, "CollectiveKV measured").
 FINE_TUNE_LR = 1e-4
 # weight of KL(trained ranker || compressed) in the fine-tune (train_ranker's
 # --base-distill-weight)
 BASE_DISTILL_WEIGHT = 1.0
 # cached tokens k-means fits each pool entry to unless --init-tokens says otherwise: M 1024 from
 # 50,000 kept 97% of amazon's uncompressed NDCG@10 and 102% of ml's; M 4096 from 200,000 (49
-# an entry) halved every layer's k-means error and kept 101% on amazon (README, "CollectiveKV
-# measured")
+# an entry) halved every layer's k-means error and kept 101% on amazon (docs/results.md,
+# "CollectiveKV measured")
 INIT_TOKENS_PER_ENTRY = 50
 LOW_RANK_INIT_TOKENS = 50_000  # what the low-rank (--kv-rank) baseline's PCA is fitted to
 # fewer fitted tokens per pool entry than this and the job says to raise --init-tokens
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     # steps a weight average would mostly hold the starting weights, so it is off; the low
     # learning rate keeps the raw weights near the averaged ones the base published instead
     # and it distils from the trained ranker: on amazon's a6 that took the default state from
-    # 94% to 97% of the uncompressed NDCG@10 (README, "CollectiveKV measured")
+    # 94% to 97% of the uncompressed NDCG@10 (docs/results.md, "CollectiveKV measured")
     p.set_defaults(
         epochs=4,
         patience=2,

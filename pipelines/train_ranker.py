@@ -112,7 +112,7 @@ class TrainConfig(BaseTrainConfig):
     # validate, checkpoint and publish an exponential moving average of the weights, updated
     # every optimizer step with this decay (0: the raw weights). On ml-latest-small the raw
     # weights' validation NDCG@10 swung by more than its noise from epoch to epoch, so the
-    # best epoch was a lucky one; the average moves smoothly (README)
+    # best epoch was a lucky one; the average moves smoothly (docs/results.md)
     ema_decay: float = 0.995
 
     def __post_init__(self) -> None:
