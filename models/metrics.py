@@ -39,15 +39,25 @@ def full_catalog_ranks(
     history); the catalog is scored in chunks by MIS, its candidate tokens computed once per
     chunk for the whole batch.
     """
+    scores = full_catalog_scores(model, history, n_items, chunk)
+    return ranks_from_scores(scores, targets, exclude)
+
+
+@torch.no_grad()
+def full_catalog_scores(
+    model: Ranker, history: History | Cache, n_items: int, chunk: int = 256
+) -> Tensor:
+    """The served score of every catalog item for each user: (B, n_items), by MIS in chunks of
+    ``chunk`` candidates (what ``full_catalog_ranks`` ranks)."""
     cache = _cache(model, history)
-    dev = targets.device
-    scores = torch.empty(len(targets), n_items, device=dev)
+    dev = cache.lengths.device
+    scores = torch.empty(len(cache.lengths), n_items, device=dev)
     for start in range(0, n_items, chunk):
         vids = torch.arange(start, min(start + chunk, n_items), device=dev)
         scores[:, start : start + len(vids)] = model.score_tokens(
             cache, model.candidate_tokens(vids)
         )
-    return _ranks(scores, targets, exclude)
+    return scores
 
 
 @torch.no_grad()
@@ -66,10 +76,10 @@ def dot_catalog_ranks(
     cache = _cache(model, history)
     tokens = model.catalog_tokens() if tokens is None else tokens
     scores = model.user_vector(cache) @ tokens.T
-    return _ranks(scores, targets, exclude)
+    return ranks_from_scores(scores, targets, exclude)
 
 
-def _ranks(scores: Tensor, targets: Tensor, exclude: list[Tensor]) -> Tensor:
+def ranks_from_scores(scores: Tensor, targets: Tensor, exclude: list[Tensor]) -> Tensor:
     """scores (B, n_items) -> each target's rank among the items not in ``exclude[b]``."""
     target_scores = scores.gather(1, targets[:, None])
     for b, ex in enumerate(exclude):

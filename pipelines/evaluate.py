@@ -217,6 +217,7 @@ def evaluate(
     seed: int = 0,
     teacher: str | None = None,
     teacher_engine: str = "hf",
+    item_prior: str | None = None,
 ) -> dict:
     import ray
 
@@ -224,6 +225,11 @@ def evaluate(
 
     if teacher:
         teacher_for_engine(teacher, teacher_engine)  # fail here, not in every actor
+    if item_prior and user_states:
+        raise InputError(
+            "--item-prior fuses with a fresh prefill of the ranker; it is not measured from "
+            "--user-states: give one of them"
+        )
 
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)
@@ -287,12 +293,19 @@ def evaluate(
             pl.col("sampled_rank").alias(f"{name}_sampled_rank"),
         )
         per_user = per_user.join(ranks, on="user_id", how="left")
+    fusion = None
+    if item_prior:
+        from pipelines.prior_fusion import prior_fusion
+
+        per_user, fusion = prior_fusion(
+            per_user, table, checkpoint, vectors_uri, storage.absolute(item_prior), actors
+        )
     # popularity counts every user's input, not only the sampled ones'
     pf, ps = popular_ranks(users, n_items, eval_users(dataset_uri, None, seed))
     per_user = per_user.with_columns(
         pl.Series("most_popular_full_rank", pf), pl.Series("most_popular_sampled_rank", ps)
     )
-    names = [*models, "most_popular"]
+    names = [*models, *(["item_prior", "ranker_prior"] if fusion else []), "most_popular"]
     metrics = {
         m: {
             "full": summarize(per_user[f"{m}_full_rank"].to_numpy()),
@@ -300,6 +313,8 @@ def evaluate(
         }
         for m in names
     }
+    if fusion:
+        metrics["ranker_prior"]["fusion"] = fusion
     if teacher:
         from pipelines.ranker_actors import map_with_pool
         from pipelines.ray_runtime import cluster_gpus
@@ -350,6 +365,7 @@ def evaluate(
                     "id_checkpoint": id_checkpoint,
                     "teacher": teacher,
                     "user_states": user_states,
+                    "item_prior": item_prior,
                     "users": users.height,
                     "sampled_users": bool(max_users),
                     "metrics": metrics,
@@ -426,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-users", type=int, default=None, help="evaluate a seeded sample of users")
     p.add_argument("--report", default=None, help="report name (default: the checkpoint's)")
+    p.add_argument(
+        "--item-prior",
+        help="an item prior (fit_item_prior): adds the prior alone and the ranker fused with it, "
+        "the weight picked on the validation split",
+    )
     p.add_argument("--actors", type=int, default=2)
     a = p.parse_args(argv)
     return jobs.run(
@@ -441,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             actors=a.actors,
             teacher=a.teacher,
             teacher_engine=a.teacher_engine,
+            item_prior=a.item_prior,
         )
     )
 

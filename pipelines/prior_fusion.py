@@ -1,0 +1,141 @@
+"""The ranker fused with the item-to-item prior (``models.item_prior``), for ``pipelines.evaluate
+--item-prior``: both scores standardised per user over the catalog and added with the prior's
+weight picked on the validation split (history -> validation item) of the same users, then
+the test item ranked (history + validation item -> test item) as evaluate ranks the ranker.
+
+This is a measurement of the fused score offline; the Serve application ranks by the ranker's
+score alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from pipelines.evaluate import summarize  # evaluate imports this module only when it runs
+from pipelines.ranker_actors import RankerActor, map_with_rankers
+
+log = logging.getLogger("kvrank.evaluate")
+
+
+class PriorFusionRanks(RankerActor):
+    """Ray Data callable class: the item prior alone, and the ranker's score fused with it at
+    each of ``FUSION_WEIGHTS``, on the test input (history + validation item -> test item)
+    and on the validation input (history -> validation item), which picks the weight.
+
+    Returns per user ``prior_full_rank`` / ``prior_sampled_rank`` and, for the i-th weight,
+    ``fused_val_rank_i``, ``fused_full_rank_i`` and ``fused_sampled_rank_i``."""
+
+    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int, prior: str) -> None:
+        super().__init__(checkpoint, vectors_uri, threads)
+        from pipelines.fit_item_prior import read_prior
+
+        self.n_items = int(self.marker["n_items"])
+        self.prior, _ = read_prior(prior, self.n_items)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        from models.item_prior import FUSION_WEIGHTS, fuse
+        from models.metrics import ranks_from_scores
+
+        inputs = [np.array(h, dtype=np.int64) for h in batch["input"]]
+        fbs = [np.asarray(f) for f in batch["input_fb"]]
+        val_t = torch.as_tensor([x[-1] for x in inputs])
+        test_t = torch.as_tensor(batch["test"].astype(np.int64))
+        negs = torch.as_tensor(np.stack(batch["negatives"]).astype(np.int64))
+        cands = torch.cat([test_t[:, None], negs], dim=1)
+        val_r, val_p = self._scores([x[:-1] for x in inputs], [f[:-1] for f in fbs])
+        test_r, test_p = self._scores(inputs, fbs)
+        seen_val = [torch.as_tensor(x[:-1]) for x in inputs]
+        seen = [torch.as_tensor(x) for x in inputs]
+        out = {"user_id": batch["user_id"]}
+        out["prior_full_rank"] = ranks_from_scores(test_p.clone(), test_t, seen).numpy()
+        out["prior_sampled_rank"] = sampled_from_scores(test_p, cands)
+        cols: dict[str, list] = {
+            "fused_val_rank": [],
+            "fused_full_rank": [],
+            "fused_sampled_rank": [],
+        }
+        for w in FUSION_WEIGHTS:
+            cols["fused_val_rank"].append(ranks_from_scores(fuse(val_r, val_p, w), val_t, seen_val))
+            fused = fuse(test_r, test_p, w)
+            cols["fused_sampled_rank"].append(torch.as_tensor(sampled_from_scores(fused, cands)))
+            cols["fused_full_rank"].append(ranks_from_scores(fused, test_t, seen))
+        # one column per weight: Ray Data and polars pass plain 1-D columns through unchanged
+        return out | {
+            f"{k}_{i}": torch.as_tensor(r).numpy()
+            for k, ranks in cols.items()
+            for i, r in enumerate(ranks)
+        }
+
+    def _scores(self, inputs: list[np.ndarray], fbs: list[np.ndarray]):
+        import torch
+
+        from models.batches import history_batch
+        from models.metrics import full_catalog_scores
+
+        h = history_batch(inputs, fbs, self.max_len)
+        ranker = full_catalog_scores(self.model, h, self.n_items)
+        return ranker, self.prior.scores([torch.as_tensor(x) for x in inputs])
+
+
+def sampled_from_scores(scores, cands) -> np.ndarray:
+    """Rank of column 0 of ``cands`` (B, 1 + K) among the row's candidates, by ``scores``
+    (B, N); ties count against it."""
+    s = scores.gather(1, cands)
+    return (s[:, 1:] >= s[:, :1]).sum(1).numpy()
+
+
+def prior_fusion(
+    per_user: pl.DataFrame,
+    table: pa.Table,
+    checkpoint: str,
+    vectors_uri: str | None,
+    prior: str,
+    actors: int,
+) -> tuple[pl.DataFrame, dict]:
+    """The prior alone and the ranker fused with it (``PriorFusionRanks``), the fusion weight
+    picked by validation NDCG@10 over the same users: per_user gains ``item_prior_*`` and
+    ``ranker_prior_*`` rank columns; returns it with the pick and the validation curve."""
+    import ray
+
+    from models.item_prior import FUSION_WEIGHTS
+
+    log.info("scoring %d users with the ranker fused with the item prior %s", table.num_rows, prior)
+    res = map_with_rankers(
+        table,
+        PriorFusionRanks,
+        checkpoint,
+        vectors_uri,
+        actors=actors,
+        batch_size=16,
+        extra_args=(prior,),
+    )
+    got = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs())))
+    val = [summarize(got[f"fused_val_rank_{i}"].to_numpy()) for i in range(len(FUSION_WEIGHTS))]
+    best = max(range(len(FUSION_WEIGHTS)), key=lambda i: val[i]["ndcg10"])
+    log.info(
+        "fusion weight %g picked on validation (NDCG@10 %.4f; at weight 0, the ranker: %.4f)",
+        FUSION_WEIGHTS[best],
+        val[best]["ndcg10"],
+        val[0]["ndcg10"],
+    )
+    ranks = got.select(
+        "user_id",
+        pl.col("prior_full_rank").alias("item_prior_full_rank"),
+        pl.col("prior_sampled_rank").alias("item_prior_sampled_rank"),
+        pl.col(f"fused_full_rank_{best}").alias("ranker_prior_full_rank"),
+        pl.col(f"fused_sampled_rank_{best}").alias("ranker_prior_sampled_rank"),
+    )
+    fusion = {
+        "prior": prior,
+        "weight": FUSION_WEIGHTS[best],
+        "val_ndcg10_by_weight": {
+            str(w): round(v["ndcg10"], 5) for w, v in zip(FUSION_WEIGHTS, val, strict=True)
+        },
+    }
+    return per_user.join(ranks, on="user_id", how="left"), fusion

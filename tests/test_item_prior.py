@@ -1,0 +1,103 @@
+"""The item-to-item prior (models.item_prior): the EASE fit, its sparse reading, the fusion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from models.item_prior import (
+    FUSION_WEIGHTS,
+    ItemPrior,
+    PriorConfig,
+    cooccurrence,
+    ease_weights,
+    fuse,
+    sparsify,
+)
+
+
+def random_histories(n_users: int, n_items: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, n_items, (int(torch.randint(2, 20, (), generator=g)),), generator=g)
+        for _ in range(n_users)
+    ]
+
+
+def test_cooccurrence_counts_each_user_item_pair_once():
+    hists = [torch.tensor([0, 1, 1, 1]), torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)]
+    g = cooccurrence(hists, 4)
+    x = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]], dtype=np.float32)
+    np.testing.assert_array_equal(g.numpy(), x.T @ x)  # item 1 thrice in a history: once
+
+
+def test_ease_weights_are_the_ridge_regression_of_each_item_on_all_others():
+    hists = random_histories(300, 40)
+    x = np.zeros((300, 40))
+    for u, h in enumerate(hists):
+        x[u, h.numpy()] = 1
+    b = ease_weights(cooccurrence(hists, 40), l2=5.0).numpy()
+    # column j: min ||x_j - X_{-j} w||^2 + 5 ||w||^2, item j itself excluded (zero diagonal)
+    for j in range(40):
+        others = [i for i in range(40) if i != j]
+        a = x[:, others]
+        w = np.linalg.solve(a.T @ a + 5.0 * np.eye(39), a.T @ x[:, j])
+        np.testing.assert_allclose(b[others, j], w, atol=1e-5)
+        assert b[j, j] == 0
+
+
+def test_sparsify_keeps_each_rows_largest_weights():
+    b = torch.tensor([[0.0, 0.5, -1.0, 0.2], [0.3, 0.0, 0.9, 0.1]])
+    idx, w = sparsify(b, 2)
+    assert idx.dtype == torch.int32 and idx.tolist() == [[1, 3], [2, 0]]
+    torch.testing.assert_close(w, torch.tensor([[0.5, 0.2], [0.9, 0.3]]))
+    assert sparsify(b, 10)[0].shape == (2, 4)  # never more than the catalog
+
+
+def test_the_prior_sums_the_newest_items_rows_with_decaying_votes():
+    # item i votes for its two neighbours: (i + 1) % 5 with weight 1, (i + 2) % 5 with 0.5
+    index = torch.tensor([[(i + 1) % 5, (i + 2) % 5] for i in range(5)], dtype=torch.int32)
+    weight = torch.tensor([[1.0, 0.5]] * 5)
+    prior = ItemPrior(index, weight, PriorConfig(recent=2, decay=0.5))
+    scores = prior.scores(
+        [torch.tensor([4, 0, 1]), torch.tensor([3]), torch.tensor([], dtype=torch.long)]
+    )
+    # user 0: newest 1 (vote 1) -> 2: 1, 3: 0.5; then 0 (vote 0.5) -> 1: 0.5, 2: 0.25; 4 is too old
+    assert scores[0].tolist() == pytest.approx([0, 0.5, 1.25, 0.5, 0])
+    assert scores[1].tolist() == pytest.approx([0.5, 0, 0, 0, 1.0])
+    assert scores[2].tolist() == [0.0] * 5  # no history: no prior
+    # reading it with more recent items brings the older ones in
+    assert prior.with_recency(3, 0.5).scores([torch.tensor([4, 0, 1])])[0, 0].item() == 0.25
+
+
+def test_a_fitted_prior_ranks_the_item_that_always_follows_first():
+    # every user walks 0 -> 1 -> 2 -> 3 ... over a 30-item catalog, starting anywhere
+    hists = [torch.arange(s, s + 6) % 30 for s in range(30) for _ in range(3)]
+    prior = ItemPrior.fit(hists, 30, PriorConfig(l2=1.0, neighbours=5, recent=1, decay=1.0))
+    scores = prior.scores([torch.tensor([7])])
+    top = scores[0].topk(2).indices.tolist()
+    assert set(top) == {6, 8}  # the items seen beside 7, before and after it
+
+
+def test_fusing_at_weight_zero_ranks_as_the_ranker_does():
+    ranker, prior = torch.randn(4, 50), torch.rand(4, 50)
+    assert FUSION_WEIGHTS[0] == 0
+    assert torch.equal(fuse(ranker, prior, 0.0).argsort(dim=1), ranker.argsort(dim=1))
+    # a large weight ranks by the prior; the scale of either score does not matter
+    assert torch.equal(
+        fuse(ranker * 1000, prior, 1e6).argsort(dim=1), fuse(ranker, prior * 3, 1e6).argsort(dim=1)
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"l2": 0}, "l2 must be positive"),
+        ({"decay": 0}, r"decay must be in \(0, 1\]"),
+        ({"recent": 0}, "at least 1"),
+    ],
+)
+def test_a_prior_config_out_of_range_is_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        PriorConfig(**kw)
