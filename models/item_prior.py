@@ -126,18 +126,15 @@ class ItemPrior:
         return out
 
 
-# the prior's weights tried against the ranker's score on validation (both standardised per
-# user over the catalog first, so a weight is a ratio of spreads, whatever each score's scale)
-FUSION_WEIGHTS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-
-
-def standardise(scores: Tensor) -> Tensor:
-    """Each row minus its mean over the catalog, over its standard deviation: (B, N)."""
-    std = scores.std(dim=1, keepdim=True).clamp(min=1e-12)
-    return (scores - scores.mean(dim=1, keepdim=True)) / std
+# the prior's weights tried against the ranker's score on validation: the fused score is
+# ranker + weight * prior, raw, so that any subset of the catalog (a request's candidates)
+# ranks as it would in the whole catalog; the grid is log-spaced (x2-2.5 a step) because the
+# two scores' scales differ by model and dataset
+FUSION_WEIGHTS = (0.0,) + tuple(
+    round(m * 10.0**e, 4) for e in range(-2, 4) for m in (1.0, 2.0, 5.0)
+)
 
 
 def fuse(ranker: Tensor, prior: Tensor, weight: float) -> Tensor:
-    """The fused score of every item: standardise(ranker) + weight * standardise(prior),
-    ranker and prior (B, N)."""
-    return standardise(ranker) + weight * standardise(prior)
+    """The fused score of every item: ranker + weight * prior, both (B, N) or (B, C)."""
+    return ranker + weight * prior

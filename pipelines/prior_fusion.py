@@ -1,10 +1,11 @@
 """The ranker fused with the item-to-item prior (``models.item_prior``), for ``pipelines.evaluate
---item-prior``: both scores standardised per user over the catalog and added with the prior's
-weight picked on the validation split (history -> validation item) of the same users, then
-the test item ranked (history + validation item -> test item) as evaluate ranks the ranker.
+--item-prior``: ranker score + weight x prior, the weight picked from ``FUSION_WEIGHTS`` on the
+validation split (history -> validation item) of the same users, then the test item ranked
+(history + validation item -> test item) as evaluate ranks the ranker. The sum needs no
+statistic of the whole catalog, so a request's candidates would rank by it as they do here.
 
-This is a measurement of the fused score offline; the Serve application ranks by the ranker's
-score alone.
+The Serve application serves the same sum (``services.engine.RankEngine`` with
+``item_prior_uri`` and the weight picked here).
 """
 
 from __future__ import annotations

@@ -99,7 +99,12 @@ class Ranker:
         s = ServeSettings(**settings)
         torch.set_num_threads(s.torch_threads)
         device = "cuda" if s.ranker_num_gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.engine = RankEngine(s.manifest_uri, device=device)
+        self.engine = RankEngine(
+            s.manifest_uri,
+            device=device,
+            item_prior_uri=s.item_prior_uri,
+            item_prior_weight=s.item_prior_weight,
+        )
         self.rank.set_max_batch_size(s.batch_max_size)
         self.rank.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.scored = Counter("kvrank_candidates_scored", description="candidate scores computed")

@@ -21,17 +21,33 @@ Row = dict  # one user's state row (pipelines.states format)
 
 
 class RankEngine:
-    def __init__(self, manifest_uri: str, device: str = "cpu") -> None:
+    """The ranker of one manifest, and optionally the item-to-item prior: with
+    ``item_prior_uri`` (a ``fit_item_prior`` output) every candidate's score is the ranker's plus
+    ``item_prior_weight`` x its prior from the user's newest history items - the fused score
+    ``evaluate --item-prior`` measures, whose metrics.json gives the weight it picked."""
+
+    def __init__(
+        self,
+        manifest_uri: str,
+        device: str = "cpu",
+        item_prior_uri: str | None = None,
+        item_prior_weight: float = 0.0,
+    ) -> None:
         from pipelines.data import load_ranker
 
         self.manifest = storage.read_marker(manifest_uri)
         if self.manifest.get("kind") != "user_states":
             raise ValueError(f"{manifest_uri} is not a user_states folder")
         self.device = torch.device(device)
-        self.model, _, self.max_len = load_ranker(
+        self.model, ranker_marker, self.max_len = load_ranker(
             self.manifest["checkpoint"], self.manifest.get("vectors_uri")
         )
         self.model.to(self.device).eval()
+        self.prior, self.prior_weight = None, item_prior_weight
+        if item_prior_uri:
+            from pipelines.fit_item_prior import read_prior
+
+            self.prior, _ = read_prior(item_prior_uri, int(ranker_marker["n_items"]))
         cfg = self.model.cfg
         self.layout = states.Layout.of(cfg)
         self.last_timings = {"expand_s": 0.0, "score_s": 0.0}
@@ -67,6 +83,9 @@ class RankEngine:
         for i, c in enumerate(candidates):
             cand[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
         scores = self.model.score(cache, cand.to(self.device)).float().cpu()
+        if self.prior is not None:
+            prior = self.prior.scores([torch.as_tensor(r["hist"], dtype=torch.long) for r in rows])
+            scores += self.prior_weight * prior.gather(1, cand.clamp(min=0))  # -1: padding
         self.last_timings = {"expand_s": t1 - t0, "score_s": time.perf_counter() - t1}
         out = []
         for i, (c, k) in enumerate(zip(candidates, ks, strict=True)):

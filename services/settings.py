@@ -51,6 +51,10 @@ class ServeSettings:
     teacher_uri: str | None = None
     teacher_num_cpus: float = 1.0
     teacher_num_gpus: float = 0.0
+    # the item-to-item prior (fit_item_prior) fused into every ranking: score = ranker +
+    # item_prior_weight x prior; the weight is evaluate --item-prior's pick for this ranker
+    item_prior_uri: str | None = None
+    item_prior_weight: float = 0.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -74,6 +78,13 @@ class ServeSettings:
             raise SettingsError("ranker_min_replicas must be <= ranker_max_replicas")
         if not self.manifest_uri:
             raise SettingsError("manifest_uri is required: a build_user_states output folder")
+        if self.item_prior_uri and self.item_prior_weight <= 0:
+            raise SettingsError(
+                "item_prior_uri needs item_prior_weight > 0: the weight evaluate --item-prior "
+                "picked for this ranker (its metrics.json, ranker_prior.fusion.weight)"
+            )
+        if self.item_prior_weight and not self.item_prior_uri:
+            raise SettingsError("item_prior_weight is set but item_prior_uri is not")
 
     def resolved_store_uri(self) -> str:
         if self.store_uri:
@@ -91,7 +102,7 @@ class ServeSettings:
         values = {}
         for name, value in args.items():
             kind = type(fields[name].default) if name != "manifest_uri" else str
-            if name in ("store_uri", "teacher_uri"):
+            if name in ("store_uri", "teacher_uri", "item_prior_uri"):
                 kind = str
             if kind is bool and isinstance(value, str):
                 value = {"true": True, "false": False}.get(value.lower(), value)
@@ -104,7 +115,7 @@ class ServeSettings:
         from pipelines import storage
 
         # replicas do not share the caller's working directory: pin relative paths now
-        for name in ("manifest_uri", "store_uri", "teacher_uri"):
+        for name in ("manifest_uri", "store_uri", "teacher_uri", "item_prior_uri"):
             if values.get(name):
                 values[name] = storage.absolute(values[name])
         return cls(**values)

@@ -80,14 +80,17 @@ def test_a_fitted_prior_ranks_the_item_that_always_follows_first():
     assert set(top) == {6, 8}  # the items seen beside 7, before and after it
 
 
-def test_fusing_at_weight_zero_ranks_as_the_ranker_does():
+def test_the_fused_score_ranks_any_candidate_subset_as_the_whole_catalog():
     ranker, prior = torch.randn(4, 50), torch.rand(4, 50)
-    assert FUSION_WEIGHTS[0] == 0
-    assert torch.equal(fuse(ranker, prior, 0.0).argsort(dim=1), ranker.argsort(dim=1))
-    # a large weight ranks by the prior; the scale of either score does not matter
-    assert torch.equal(
-        fuse(ranker * 1000, prior, 1e6).argsort(dim=1), fuse(ranker, prior * 3, 1e6).argsort(dim=1)
-    )
+    assert FUSION_WEIGHTS[0] == 0 and list(FUSION_WEIGHTS) == sorted(FUSION_WEIGHTS)
+    assert torch.equal(fuse(ranker, prior, 0.0), ranker)  # weight 0: the ranker itself
+    # fused per item, no statistic of the catalog: a request's candidates keep their order
+    whole = fuse(ranker, prior, 2.0)
+    cands = torch.tensor([3, 41, 7, 19])
+    assert torch.equal(fuse(ranker[:, cands], prior[:, cands], 2.0), whole[:, cands])
+    # the largest weight ranks by the prior
+    top = fuse(ranker, prior, FUSION_WEIGHTS[-1] * 1e3).argmax(dim=1)
+    assert torch.equal(top, prior.argmax(dim=1))
 
 
 @pytest.mark.parametrize(

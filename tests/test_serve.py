@@ -10,9 +10,11 @@ import httpx
 import pytest
 import torch
 
-from pipelines import build_user_states, states, storage
+from pipelines import build_user_states, fit_item_prior, states, storage
 from tests.conftest import free_port
 from tests.tiny import base_texts, prepare, tiny_ckv_states, write_catalog, write_sequences
+
+PRIOR_WEIGHT = 0.5  # the served score: ranker + 0.5 x the item-to-item prior
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +28,9 @@ def served(tmp_path_factory, ray_local):
     out = str(d / "out")
     ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
     built = tiny_ckv_states(ds, out)
+    prior = fit_item_prior.fit_item_prior(
+        ds, out, l2s=[1.0], neighbours=8, recents=[3], decays=[0.7], val_users=0
+    )["out"]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {
@@ -34,9 +39,11 @@ def served(tmp_path_factory, ray_local):
         "max_candidates": 50,
         "max_body_bytes": 4096,
         "snapshot_every": 3,
+        "item_prior_uri": prior,
+        "item_prior_weight": PRIOR_WEIGHT,
     }
     serve.run(build_app(settings), name="kvrank", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "states": built["user_states"]}
+    yield {"url": f"http://127.0.0.1:{port}", "states": built["user_states"], "prior": prior}
     serve.shutdown()
 
 
@@ -53,13 +60,24 @@ def test_rank_matches_scoring_the_stored_state(served):
     engine = RankEngine(served["states"])
     items_table = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
     vid_of = dict(zip(*items_table.select(["item_id", "vid"]).to_pydict().values(), strict=True))
+    prior, _ = fit_item_prior.read_prior(served["prior"])
+    user_prior = prior.scores([torch.as_tensor(row["hist"])])[0]
+    item_of = {v: i for i, v in vid_of.items()}
+    # two candidates the prior favours for this user, so that it moves the ranking
     items = [5, 17, 23, 42, 8, 31]
+    items += [item_of[v] for v in user_prior.argsort(descending=True).tolist()[:8]]
+    items = list(dict.fromkeys(items))[:8]
     r = post(served, "/v1/rank", {"user_id": row["user_id"], "candidate_item_ids": items, "k": 4})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["known_user"] and body["history_length"] == len(row["hist"])
     cache = states.from_table(table.slice(3, 1), engine.layout)
-    want = engine.model.score(cache, torch.tensor([[vid_of[i] for i in items]]))[0]
+    vids = torch.tensor([[vid_of[i] for i in items]])
+    want = engine.model.score(cache, vids)[0]
+    # the app serves the ranker's score plus the weighted prior of the user's newest items
+    assert engine.prior is None  # a manifest alone serves the ranker alone
+    assert user_prior[vids[0]].abs().sum() > 0
+    want = want + PRIOR_WEIGHT * user_prior[vids[0]]
     order = torch.argsort(want, descending=True)[:4]
     assert [x["item_id"] for x in body["items"]] == [items[i] for i in order]
     assert [x["score"] for x in body["items"]] == pytest.approx(want[order].tolist(), abs=1e-5)
@@ -151,6 +169,10 @@ def test_settings_reject_unknown_and_bad_values():
         ServeSettings.from_args({"manifest_uri": "m", "shards": "0"})
     with pytest.raises(SettingsError, match="max_k: 'many' is not a int"):
         ServeSettings.from_args({"manifest_uri": "m", "max_k": "many"})
+    with pytest.raises(SettingsError, match="item_prior_uri needs item_prior_weight > 0"):
+        ServeSettings.from_args({"manifest_uri": "m", "item_prior_uri": "p"})
+    with pytest.raises(SettingsError, match="item_prior_weight is set but item_prior_uri is not"):
+        ServeSettings.from_args({"manifest_uri": "m", "item_prior_weight": "0.5"})
 
 
 def test_fuzzing_the_openapi_schema_gives_no_server_errors(served):
