@@ -225,11 +225,6 @@ def evaluate(
 
     if teacher:
         teacher_for_engine(teacher, teacher_engine)  # fail here, not in every actor
-    if item_prior and user_states:
-        raise InputError(
-            "--item-prior fuses with a fresh prefill of the ranker; it is not measured from "
-            "--user-states: give one of them"
-        )
 
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)
@@ -298,7 +293,13 @@ def evaluate(
         from pipelines.prior_fusion import prior_fusion
 
         per_user, fusion = prior_fusion(
-            per_user, table, checkpoint, vectors_uri, storage.absolute(item_prior), actors
+            per_user,
+            table,
+            checkpoint,
+            vectors_uri,
+            storage.absolute(item_prior),
+            actors,
+            from_states=states_table is not None,
         )
     # popularity counts every user's input, not only the sampled ones'
     pf, ps = popular_ranks(users, n_items, eval_users(dataset_uri, None, seed))
@@ -354,6 +355,8 @@ def evaluate(
         },
         "report": target,
     }
+    if fusion:
+        summary["fusion_weight"] = fusion["weight"]
     pub = storage.Publication(target)
     try:
         pub.put_bytes(

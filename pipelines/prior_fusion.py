@@ -16,25 +16,35 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from pipelines.evaluate import summarize  # evaluate imports this module only when it runs
-from pipelines.ranker_actors import RankerActor, map_with_rankers
+# evaluate imports this module only when it runs, so the two never import each other at once
+from pipelines.evaluate import ScoreUsers, summarize
+from pipelines.ranker_actors import map_with_rankers
 
 log = logging.getLogger("kvrank.evaluate")
 
 
-class PriorFusionRanks(RankerActor):
+class PriorFusionRanks(ScoreUsers):
     """Ray Data callable class: the item prior alone, and the ranker's score fused with it at
     each of ``FUSION_WEIGHTS``, on the test input (history + validation item -> test item)
     and on the validation input (history -> validation item), which picks the weight.
 
+    With ``from_states`` the test input is scored from the user's stored state, as serving
+    scores it; the validation input (one item shorter than any stored state) is prefilled.
+
     Returns per user ``prior_full_rank`` / ``prior_sampled_rank`` and, for the i-th weight,
     ``fused_val_rank_i``, ``fused_full_rank_i`` and ``fused_sampled_rank_i``."""
 
-    def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int, prior: str) -> None:
-        super().__init__(checkpoint, vectors_uri, threads)
+    def __init__(
+        self,
+        checkpoint: str,
+        vectors_uri: str | None,
+        threads: int,
+        from_states: bool,
+        prior: str,
+    ) -> None:
+        super().__init__(checkpoint, vectors_uri, threads, from_states)
         from pipelines.fit_item_prior import read_prior
 
-        self.n_items = int(self.marker["n_items"])
         self.prior, _ = read_prior(prior, self.n_items)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -50,7 +60,8 @@ class PriorFusionRanks(RankerActor):
         negs = torch.as_tensor(np.stack(batch["negatives"]).astype(np.int64))
         cands = torch.cat([test_t[:, None], negs], dim=1)
         val_r, val_p = self._scores([x[:-1] for x in inputs], [f[:-1] for f in fbs])
-        test_r, test_p = self._scores(inputs, fbs)
+        stored = self._stored_cache(batch, inputs) if self.from_states else None
+        test_r, test_p = self._scores(inputs, fbs, stored)
         seen_val = [torch.as_tensor(x[:-1]) for x in inputs]
         seen = [torch.as_tensor(x) for x in inputs]
         out = {"user_id": batch["user_id"]}
@@ -73,13 +84,15 @@ class PriorFusionRanks(RankerActor):
             for i, r in enumerate(ranks)
         }
 
-    def _scores(self, inputs: list[np.ndarray], fbs: list[np.ndarray]):
+    def _scores(self, inputs: list[np.ndarray], fbs: list[np.ndarray], stored=None):
+        """The ranker's catalog scores (from ``stored``, a cache, when given; else a prefill
+        of ``inputs``) and the prior's, both (B, n_items)."""
         import torch
 
         from models.batches import history_batch
         from models.metrics import full_catalog_scores
 
-        h = history_batch(inputs, fbs, self.max_len)
+        h = history_batch(inputs, fbs, self.max_len) if stored is None else stored
         ranker = full_catalog_scores(self.model, h, self.n_items)
         return ranker, self.prior.scores([torch.as_tensor(x) for x in inputs])
 
@@ -98,6 +111,7 @@ def prior_fusion(
     vectors_uri: str | None,
     prior: str,
     actors: int,
+    from_states: bool = False,
 ) -> tuple[pl.DataFrame, dict]:
     """The prior alone and the ranker fused with it (``PriorFusionRanks``), the fusion weight
     picked by validation NDCG@10 over the same users: per_user gains ``item_prior_*`` and
@@ -114,7 +128,7 @@ def prior_fusion(
         vectors_uri,
         actors=actors,
         batch_size=16,
-        extra_args=(prior,),
+        extra_args=(from_states, prior),
     )
     got = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs())))
     val = [summarize(got[f"fused_val_rank_{i}"].to_numpy()) for i in range(len(FUSION_WEIGHTS))]

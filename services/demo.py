@@ -4,9 +4,11 @@
         [--kv-epochs 1] [--load-seconds 10] [--load-concurrency 8]
 
 Stages, each the same job an operator submits with ``ray job submit`` (its command line is
-printed before it runs): prepare -> encode -> train -> evaluate -> analyse the KV -> fit the
-CollectiveKV pools -> build user states -> evaluate from the states -> serve. The serve stage
-starts the Serve app over the states, ranks the whole catalog for one user over HTTP and prints
+printed before it runs): prepare -> encode -> train -> fit the item prior -> evaluate (the
+ranker, the prior, the two fused) -> analyse the KV -> fit the CollectiveKV pools -> build user
+states -> evaluate from the states (fused again: the weight serving uses) -> serve. The serve
+stage starts the Serve app over the states, with the prior at that weight (a weight of 0, the
+ranker alone, serves without it), ranks the whole catalog for one user over HTTP and prints
 their history and top 10 with titles, then runs a short closed-loop load. The jobs share one
 Ray, started once.
 
@@ -66,8 +68,11 @@ def titles_of(dataset_uri: str) -> dict[int, str]:
     return dict(zip(items["item_id"].to_pylist(), items[col].to_pylist(), strict=True))
 
 
-def serve_stage(states_uri: str, seconds: float, concurrency: int, port: int) -> dict:
-    """Serve the states, show one user's top 10 of the whole catalog, then a short load."""
+def serve_stage(
+    states_uri: str, seconds: float, concurrency: int, port: int, prior: dict | None = None
+) -> dict:
+    """Serve the states (with ``prior``: the item prior's settings, fused into every ranking),
+    show one user's top 10 of the whole catalog, then a short load."""
     import httpx
     import numpy as np
     from ray import serve
@@ -82,7 +87,8 @@ def serve_stage(states_uri: str, seconds: float, concurrency: int, port: int) ->
     item_of_vid = dict(zip(items["vid"].to_pylist(), items["item_id"].to_pylist(), strict=True))
     titles = titles_of(manifest["dataset_uri"])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"manifest_uri": states_uri}), name="kvrank", route_prefix="/")
+    settings = {"manifest_uri": states_uri} | (prior or {})
+    serve.run(build_app(settings), name="kvrank", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter() - t0
     try:
@@ -147,6 +153,9 @@ def tables(stages: list[dict]) -> str:
         ("text ranker, fp16 KV", ev, "ranker"),
         ("CollectiveKV ranker, from stored states", evs, "ranker"),
         ("its uncompressed base (same users)", evs, "uncompressed"),
+        ("item-to-item prior alone", ev, "item_prior"),
+        (f"text ranker + prior (weight {ev.get('fusion_weight')})", ev, "ranker_prior"),
+        (f"stored states + prior (weight {evs.get('fusion_weight')}): served", evs, "ranker_prior"),
         ("most popular", ev, "most_popular"),
     ):
         if f"{key}_full_ndcg10" in src:
@@ -204,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         build_user_states,
         encode_items,
         evaluate,
+        fit_item_prior,
         jobs,
         prepare_data,
         storage,
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     text_ckpt = storage.join(out, "checkpoints", f"{a.dataset}-text")
     ckv_run = f"{a.dataset}-ckv"
     states_uri = storage.join(out, "user_states", ckv_run)
+    prior_uri = storage.join(out, "item_priors", a.dataset, fit_item_prior.default_run(a.dataset))
     common = ["--dataset-uri", ds, "--out", out]
     train = ["--val-users", "64"]
     prep = ["--dataset", a.dataset, "--out", out]
@@ -236,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         ("prepare", prepare_data, prep),
         ("encode", encode_items, common),
         ("train", train_ranker, [*common, "--epochs", str(a.epochs), *train]),
-        ("evaluate", evaluate, [*common, "--checkpoint", text_ckpt]),
+        ("fit prior", fit_item_prior, common),
+        ("evaluate", evaluate, [*common, "--checkpoint", text_ckpt, "--item-prior", prior_uri]),
         ("analyze KV", analyze_kv, [*common, "--checkpoint", text_ckpt, "--users", "64"]),
         (
             "fit pools",
@@ -249,14 +261,23 @@ def main(argv: list[str] | None = None) -> int:
             build_user_states,
             [*common, "--checkpoint", storage.join(out, "checkpoints", ckv_run)],
         ),
-        ("evaluate states", evaluate, [*common, "--user-states", states_uri]),
+        (
+            "evaluate states",
+            evaluate,
+            [*common, "--user-states", states_uri, "--item-prior", prior_uri],
+        ),
     ]
     done = []
     for name, module, args in stages:
         done.append(run_stage(name, module.main, module.__name__, args))
         log.info("stage %s done in %.1f s", name, done[-1]["seconds"])
     print("\n== serve: services.app over the stored states", file=sys.stderr, flush=True)
-    done.append(serve_stage(states_uri, a.load_seconds, a.load_concurrency, a.port or free_port()))
+    # serve what evaluate measured through the stored states: the ranker + the prior at its pick
+    by = {s["stage"]: s for s in done}
+    weight = by["evaluate states"]["fusion_weight"]
+    prior = {"item_prior_uri": prior_uri, "item_prior_weight": weight} if weight else None
+    port = a.port or free_port()
+    done.append(serve_stage(states_uri, a.load_seconds, a.load_concurrency, port, prior))
     md = tables(done)
     report = storage.join(out, "reports", "demo")
     storage.write_bytes(storage.join(report, "summary.md"), (md + "\n").encode())
@@ -272,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "stages": {s["stage"]: s["seconds"] for s in done},
         "ndcg10": by["evaluate"].get("ranker_full_ndcg10"),
         "ndcg10_from_states": by["evaluate states"].get("ranker_full_ndcg10"),
+        "ndcg10_served": by["evaluate states"].get("ranker_prior_full_ndcg10"),
         "state_ratio": by["build states"]["ratio"],
         "scores_per_s": by["serve"]["load"]["candidate_scores_per_s"],
         "report": report,

@@ -197,6 +197,7 @@ JOBS = [
     "encode_items",
     "train_ranker",
     "evaluate",
+    "fit_item_prior",
     "train_kv_pool",
     "build_user_states",
 ]

@@ -91,13 +91,41 @@ def test_evaluate_fuses_the_prior_with_the_ranker_at_the_weight_validation_picks
 def evaluate_prior_actor(checkpoint: str, prior: str):
     from pipelines.prior_fusion import PriorFusionRanks
 
-    return PriorFusionRanks(checkpoint, None, 1, prior)
+    return PriorFusionRanks(checkpoint, None, 1, False, prior)
 
 
-def test_evaluate_will_not_fuse_the_prior_with_stored_states(tiny, capsys):
+def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(tiny, ray_local, capsys):
+    import polars as pl
+
+    from pipelines import build_user_states
+    from pipelines.prior_fusion import PriorFusionRanks
+    from tests.tiny import tiny_ckv_states
+
     ds, out = tiny["dataset"], tiny["out"]
-    rc = evaluate.main(
-        ["--dataset-uri", ds, "--out", out, "--user-states", f"{out}/user_states/x"]
-        + ["--item-prior", f"{out}/item_priors/x"]
+    built = tiny_ckv_states(ds, out)
+    prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
+    s = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--out", out, "--user-states", built["user_states"]]
+        + ["--item-prior", prior["out"], "--actors", "1"],
     )
-    assert rc == 2 and "--item-prior fuses with a fresh prefill" in capsys.readouterr().err
+    report = json.loads(storage.read_bytes(storage.join(s["report"], "metrics.json")))
+    assert set(report["metrics"]) == {
+        "ranker",
+        "uncompressed",
+        "item_prior",
+        "ranker_prior",
+        "most_popular",
+    }
+    # the actor on the stored states: at weight 0 it ranks exactly as evaluate's states ranker
+    manifest, table = build_user_states.read_states(built["user_states"])
+    users = evaluate.eval_users(ds, None, 0).join(pl.from_arrow(table), on="user_id")
+    batch = {c: users[c].to_numpy() for c in ("user_id", "test")}
+    batch |= {
+        c: np.array(users[c].to_list(), dtype=object) for c in users.columns if c not in batch
+    }
+    ck = manifest["checkpoint"]
+    fused = PriorFusionRanks(ck, None, 1, True, prior["out"])(batch)
+    ranker = evaluate.ScoreUsers(ck, None, 1, True)(batch)
+    np.testing.assert_array_equal(fused["fused_full_rank_0"], ranker["full_rank"])
