@@ -18,6 +18,19 @@ from tests.tiny import run_json, train_tiny_base
 GRID = ["--l2", "1,50", "--recent", "1,3", "--decay", "0.5,1", "--neighbours", "8"]
 
 
+def fused_evaluation(capsys, ds: str, out: str, ranker_args: list[str]):
+    """Fit the tiny prior, then evaluate the ranker named by ``ranker_args`` fused with it:
+    (fit_item_prior's summary, evaluate's summary, its metrics.json)."""
+    prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
+    s = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--out", out, *ranker_args]
+        + ["--item-prior", prior["out"], "--actors", "1"],
+    )
+    return prior, s, json.loads(storage.read_bytes(storage.join(s["report"], "metrics.json")))
+
+
 def test_the_prior_is_fitted_picked_on_validation_and_published(tiny, capsys):
     ds, out = tiny["dataset"], tiny["out"]
     s = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
@@ -55,14 +68,7 @@ def test_evaluate_fuses_the_prior_with_the_ranker_at_the_weight_validation_picks
 ):
     ds, out = tiny["dataset"], tiny["out"]
     base = train_tiny_base(capsys, ds, out)
-    prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
-    s = run_json(
-        capsys,
-        evaluate.main,
-        ["--dataset-uri", ds, "--out", out, "--checkpoint", base["checkpoint"]]
-        + ["--item-prior", prior["out"], "--actors", "1"],
-    )
-    report = json.loads(storage.read_bytes(storage.join(s["report"], "metrics.json")))
+    prior, s, report = fused_evaluation(capsys, ds, out, ["--checkpoint", base["checkpoint"]])
     assert set(report["metrics"]) == {"ranker", "item_prior", "ranker_prior", "most_popular"}
     fusion = report["metrics"]["ranker_prior"]["fusion"]
     curve = fusion["val_ndcg10_by_weight"]
@@ -103,14 +109,7 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(tiny, r
 
     ds, out = tiny["dataset"], tiny["out"]
     built = tiny_ckv_states(ds, out)
-    prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
-    s = run_json(
-        capsys,
-        evaluate.main,
-        ["--dataset-uri", ds, "--out", out, "--user-states", built["user_states"]]
-        + ["--item-prior", prior["out"], "--actors", "1"],
-    )
-    report = json.loads(storage.read_bytes(storage.join(s["report"], "metrics.json")))
+    prior, _, report = fused_evaluation(capsys, ds, out, ["--user-states", built["user_states"]])
     assert set(report["metrics"]) == {
         "ranker",
         "uncompressed",
