@@ -1,18 +1,25 @@
 """An item-to-item prior: which items go with the ones a user just had, fitted in closed form
-from who had what (EASE: Steck, "Embarrassingly Shallow Autoencoders for Sparse Data", 2019),
-and read at ranking time as a recency-weighted sum of the rows of the user's last few items.
+from the training histories, and read at ranking time as a recency-weighted sum of the rows of
+the user's last few items. Two fits share that reading (``PriorConfig.kind``):
+
+- ``"next"`` (the default): the ridge regression of the next item on the items before it, each
+  weighted by how recent it is - a linear next-item model (the transition part of SLIST: Choi
+  et al., "Session-aware Linear Item-Item Models for Session-based Recommendation", 2021).
+  Over the context matrix S (one row per training position t: ``decay^(k-1)`` at item
+  h_{t-k}, k = 1..recent) and the next-item matrix Y (one-hot h_t), B = (S^T S + l2 I)^-1 S^T Y.
+  It knows order: what comes after a user's last items, not only what sits beside them.
+- ``"ease"``: the ridge regression of each item on all the others a user has (EASE: Steck,
+  "Embarrassingly Shallow Autoencoders for Sparse Data", 2019): over the user-item matrix X,
+  B = I - P diag(1 / diag(P)), P = (X^T X + l2 I)^-1. Order-free co-occurrence.
 
 Why beside the ranker: the ranker sees the catalog through one user vector and per-item tokens
 of width d_model, learnt from the users' sequences; with few users (ml-latest-small has 610)
-what goes with what across 9,742 items is learnt slowly through that bottleneck. EASE's
-item-item matrix is full rank and comes from one linear solve over the same training histories.
-Kept sparse (each item's ``neighbours`` largest weights), reading it is one gather and one
-scatter-add per recent history item.
-
-The fit (B: (N, N), zero diagonal) minimises ||X - X B||^2 + l2 ||B||^2 over the user-item
-matrix X; its solution is B = I - P diag(1 / diag(P)) with P = (X^T X + l2 I)^-1. A user's
-prior for item j is ``sum_k decay^k B[h_{T-k}, j]`` over the last ``recent`` history items
-h (newest k = 0).
+what goes with what across 9,742 items is learnt slowly through that bottleneck. The item-item
+matrix is full rank and comes from one linear solve over the same training histories. Kept
+sparse (each item's ``neighbours`` largest weights), reading it is one gather and one
+scatter-add per recent history item: a user's prior for item j is
+``sum_k decay^k B[h_{T-k}, j]`` over the last ``recent`` history items h (newest k = 0), the
+same weights the "next" fit gave its context.
 
     prior = ItemPrior.fit(histories, n_items, PriorConfig(l2=200.0, neighbours=200))
     scores = prior.scores([torch.tensor([3, 17, 5])])   # (1, n_items)
@@ -23,20 +30,25 @@ Plain PyTorch; the pipeline job (``pipelines.fit_item_prior``) fits, tunes and s
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor
+
+KINDS = ("next", "ease")
 
 
 @dataclass(frozen=True)
 class PriorConfig:
     l2: float = 200.0  # ridge weight of the fit; larger shrinks rare items' rows toward zero
     neighbours: int = 200  # weights kept per item (its largest); the rest are dropped
-    recent: int = 10  # how many of the newest history items vote
+    recent: int = 10  # how many of the newest history items vote (and, for "next", are fitted)
     decay: float = 0.85  # weight of the k-th newest vote: decay^k
+    kind: str = "next"  # which fit: one of KINDS (see the module's docstring)
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.l2 <= 0:
             raise ValueError(f"l2 must be positive, got {self.l2}")
         if self.neighbours < 1 or self.recent < 1:
@@ -80,6 +92,51 @@ def ease_weights(gram: Tensor, l2: float) -> Tensor:
     return b.float()
 
 
+def next_item_grams(
+    histories: list[Tensor], n_items: int, recent: int, decay: float
+) -> tuple[Tensor, Tensor]:
+    """S^T S and S^T Y (both (n_items, n_items) float32) of the "next" fit: one row of S per
+    position t >= 1 of each history, ``decay^(k-1)`` at item h_{t-k} for k = 1..recent (an item
+    twice in the window adds up); Y one-hot at h_t."""
+    lens = torch.as_tensor([len(h) for h in histories], dtype=torch.long)
+    flat = torch.cat([h.long() for h in histories]) if len(histories) else torch.zeros(0).long()
+    start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    pos = torch.arange(len(flat)) - start  # each interaction's position in its history
+    rows_of = torch.cumsum(pos >= 1, 0) - 1  # a training row per position t >= 1
+    n_rows = int((pos >= 1).sum())
+    rows, cols, vals = [], [], []
+    for k in range(1, recent + 1):
+        t = torch.nonzero(pos >= k).flatten()
+        rows.append(rows_of[t])
+        cols.append(flat[t - k])
+        vals.append(torch.full((len(t),), decay ** (k - 1)))
+    targets = torch.nonzero(pos >= 1).flatten()
+    s = torch.sparse_coo_tensor(
+        torch.stack([torch.cat(rows), torch.cat(cols)]),
+        torch.cat(vals),
+        (n_rows, n_items),
+        check_invariants=True,
+    ).coalesce()
+    y = torch.sparse_coo_tensor(
+        torch.stack([rows_of[targets], flat[targets]]),
+        torch.ones(n_rows),
+        (n_rows, n_items),
+        check_invariants=True,
+    ).coalesce()
+    st = s.t().coalesce()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse.mm(st, s).to_dense(), torch.sparse.mm(st, y).to_dense()
+
+
+def next_item_weights(gram: Tensor, cross: Tensor, l2: float) -> Tensor:
+    """The "next" fit's item-item matrix (N, N): B = (S^T S + l2 I)^-1 S^T Y from
+    ``next_item_grams`` (by Cholesky: S^T S + l2 I is symmetric positive definite)."""
+    a = gram.float().clone()
+    a.diagonal().add_(l2)
+    return torch.cholesky_solve(cross.float(), torch.linalg.cholesky(a))
+
+
 def sparsify(b: Tensor, neighbours: int) -> tuple[Tensor, Tensor]:
     """Each row's ``neighbours`` largest weights: (N, K) int32 column indices and float32
     weights, K = min(neighbours, N). Negative weights among them are kept as they are."""
@@ -104,13 +161,17 @@ class ItemPrior:
 
     @classmethod
     def fit(cls, histories: list[Tensor], n_items: int, cfg: PriorConfig) -> ItemPrior:
-        b = ease_weights(cooccurrence(histories, n_items), cfg.l2)
+        if cfg.kind == "ease":
+            b = ease_weights(cooccurrence(histories, n_items), cfg.l2)
+        else:
+            grams = next_item_grams(histories, n_items, cfg.recent, cfg.decay)
+            b = next_item_weights(*grams, cfg.l2)
         return cls(*sparsify(b, cfg.neighbours), cfg)
 
     def with_recency(self, recent: int, decay: float) -> ItemPrior:
-        """The same weights read with another recency (what tuning on validation varies)."""
-        cfg = PriorConfig(self.cfg.l2, self.cfg.neighbours, recent, decay)
-        return ItemPrior(self.index, self.weight, cfg)
+        """The same weights read with another recency (what tuning an "ease" fit on validation
+        varies; a "next" fit is read as it was fitted)."""
+        return ItemPrior(self.index, self.weight, replace(self.cfg, recent=recent, decay=decay))
 
     def scores(self, histories: list[Tensor]) -> Tensor:
         """Prior of every item for each user: histories (B users, 1-D vid tensors, oldest

@@ -1,17 +1,20 @@
-"""Fit the item-to-item prior (``models.item_prior``) on a dataset's training histories, pick how
-it reads a user's recent items on the validation split, and publish it.
+"""Fit the item-to-item prior (``models.item_prior``) on a dataset's training histories, pick its
+fit and how it reads a user's recent items on the validation split, and publish it.
 
     python -m pipelines.fit_item_prior --dataset-uri out/datasets/ml-latest-small --out out \\
-        [--run NAME] [--l2 200] [--neighbours 200] [--recent 1,3,5,10,20]
-        [--decay 0.5,0.7,0.85,1] [--val-users 2000]
+        [--run NAME] [--kind next,ease] [--l2 200] [--neighbours 200] [--recent 10,20]
+        [--decay 0.8,0.9] [--val-users 2000]
 
 The fit sees each user's history only (the training part of the split), never a validation or
-test item, so the validation that picks ``--l2`` (one value or a comma list: a solve each),
-``--recent`` and ``--decay`` is a clean one, and the test items stay unseen. Validation ranks
-each sampled user's validation item over the full catalog minus their history, by the prior
-alone. The fit is one dense N x N solve (N items: 9,742 for ml-latest-small, 16,859 for amazon,
-1.1 GB in float32) in this process: nothing in it splits across a cluster, so it runs in the
-driver whether started directly or under ``ray job submit``.
+test item, so the validation that picks ``--kind``, ``--l2``, ``--recent`` and ``--decay`` (each
+one value or a comma list) is a clean one, and the test items stay unseen. A "next" fit is
+solved once per (l2, recent, decay): its recency is part of the regression; an "ease" fit once
+per l2, then read at every recency. Without ``--recent`` / ``--decay``, each kind tries its own
+defaults (next: 10,20 x 0.8,0.9; ease: 1,3,5,10,20 x 0.5,0.7,0.85,1). Validation ranks each
+sampled user's validation item over the full catalog minus their history, by the prior alone.
+Each solve is dense N x N (N items: 9,742 for ml-latest-small, 16,859 for amazon, 1.1 GB in
+float32) in this process: nothing in it splits across a cluster, so it runs in the driver
+whether started directly or under ``ray job submit``.
 
 Writes ``<out>/item_priors/<dataset>/<run>/``: ``prior.parquet`` (vid, neighbours list<int32>,
 weights list<float32>) and ``_SUCCESS.json`` (the picked config, the validation grid). The
@@ -30,7 +33,16 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from models.item_prior import ItemPrior, PriorConfig, cooccurrence, ease_weights, sparsify
+from models.item_prior import (
+    KINDS,
+    ItemPrior,
+    PriorConfig,
+    cooccurrence,
+    ease_weights,
+    next_item_grams,
+    next_item_weights,
+    sparsify,
+)
 from models.metrics import hit_at_k, ndcg_at_k, ranks_from_scores
 from pipelines import jobs, storage
 from pipelines.data import user_sequences
@@ -40,9 +52,16 @@ log = logging.getLogger("kvrank.fit_item_prior")
 
 PRIOR_FILE = "prior.parquet"
 
+# the recencies each kind tries when none are given: a "next" fit solves once per pair, so it
+# tries few; an "ease" fit is solved once and read at every pair
+DEFAULT_RECENCY = {
+    "next": ([10, 20], [0.8, 0.9]),
+    "ease": ([1, 3, 5, 10, 20], [0.5, 0.7, 0.85, 1.0]),
+}
+
 
 def default_run(dataset: str) -> str:
-    return f"{dataset}-ease"
+    return f"{dataset}-prior"
 
 
 def validate(
@@ -65,8 +84,9 @@ def fit_item_prior(
     run: str | None = None,
     l2s: list[float],
     neighbours: int,
-    recents: list[int],
-    decays: list[float],
+    kinds: list[str] | tuple[str, ...] = KINDS,
+    recents: list[int] | None = None,
+    decays: list[float] | None = None,
     val_users: int = 2000,
     seed: int = 0,
 ) -> dict:
@@ -75,8 +95,13 @@ def fit_item_prior(
     marker = storage.read_marker(dataset_uri)
     try:  # every combination is a valid config before any minute is spent fitting
         grid = [
-            PriorConfig(l2, neighbours, r, d)
-            for l2, r, d in itertools.product(l2s, recents, decays)
+            PriorConfig(l2, neighbours, r, d, kind)
+            for kind in kinds
+            for l2, r, d in itertools.product(
+                l2s,
+                recents or DEFAULT_RECENCY.get(kind, ([1], [1]))[0],
+                decays or DEFAULT_RECENCY.get(kind, ([1], [1]))[1],
+            )
         ]
     except ValueError as e:
         raise InputError(str(e)) from None
@@ -97,24 +122,16 @@ def fit_item_prior(
         n_items,
         len(val_h),
     )
-    gram = cooccurrence(hists, n_items)
     results, best = [], None
-    for l2 in l2s:
-        t1 = time.perf_counter()
-        index, weight = sparsify(ease_weights(gram, l2), neighbours)
-        seconds = time.perf_counter() - t1
-        log.info("l2 %g: solved, %d neighbours an item kept, in %.1f s", l2, neighbours, seconds)
-        base = ItemPrior(index, weight, PriorConfig(l2, neighbours))
-        for cfg in (c for c in grid if c.l2 == l2):
-            prior = base.with_recency(cfg.recent, cfg.decay)
-            nd, hr = validate(prior, val_h, val_t)
-            results.append(cfg.to_dict() | {"val_ndcg10": round(nd, 5), "val_hr10": round(hr, 4)})
-            log.info(
-                "l2 %g, %d recent items, decay %g: validation NDCG@10 %.4f, HR@10 %.4f",
-                *(l2, cfg.recent, cfg.decay, nd, hr),
-            )
-            if best is None or nd > best[0]:
-                best = (nd, hr, prior)
+    for cfg, prior in fits(grid, hists, n_items):
+        nd, hr = validate(prior, val_h, val_t)
+        results.append(cfg.to_dict() | {"val_ndcg10": round(nd, 5), "val_hr10": round(hr, 4)})
+        log.info(
+            "%s, l2 %g, %d recent items, decay %g: validation NDCG@10 %.4f, HR@10 %.4f",
+            *(cfg.kind, cfg.l2, cfg.recent, cfg.decay, nd, hr),
+        )
+        if best is None or nd > best[0]:
+            best = (nd, hr, prior)
     assert best is not None
     nd, hr, prior = best
     table = pa.table(
@@ -158,6 +175,32 @@ def fit_item_prior(
     }
 
 
+def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int):
+    """Each config of ``grid`` fitted, as (config, ItemPrior), solving no more than it must:
+    an "ease" solve per l2 (its recency is only how it is read), a "next" solve per config."""
+    ease = [c for c in grid if c.kind == "ease"]
+    if ease:
+        gram = cooccurrence(hists, n_items)
+        for l2 in dict.fromkeys(c.l2 for c in ease):
+            t1 = time.perf_counter()
+            index, weight = sparsify(ease_weights(gram, l2), grid[0].neighbours)
+            log_solve("ease", l2, t1)
+            for cfg in (c for c in ease if c.l2 == l2):
+                yield cfg, ItemPrior(index, weight, cfg)
+    nxt = [c for c in grid if c.kind == "next"]
+    for recency in dict.fromkeys((c.recent, c.decay) for c in nxt):
+        grams = next_item_grams(hists, n_items, *recency)
+        for cfg in (c for c in nxt if (c.recent, c.decay) == recency):
+            t1 = time.perf_counter()
+            index, weight = sparsify(next_item_weights(*grams, cfg.l2), cfg.neighbours)
+            log_solve("next", cfg.l2, t1)
+            yield cfg, ItemPrior(index, weight, cfg)
+
+
+def log_solve(kind: str, l2: float, since: float) -> None:
+    log.info("%s, l2 %g: solved in %.1f s", kind, l2, time.perf_counter() - since)
+
+
 def read_prior(uri: str, n_items: int | None = None) -> tuple[ItemPrior, dict]:
     """A published prior and its marker; ``n_items`` (the ranker's catalog) must match."""
     uri = storage.absolute(uri)
@@ -169,7 +212,9 @@ def read_prior(uri: str, n_items: int | None = None) -> tuple[ItemPrior, dict]:
     t = storage.read_parquet(storage.join(uri, PRIOR_FILE))
     index = torch.as_tensor(np.stack(t["neighbours"].to_numpy(zero_copy_only=False)))
     weight = torch.as_tensor(np.stack(t["weights"].to_numpy(zero_copy_only=False)))
-    return ItemPrior(index, weight, PriorConfig(**marker["config"])), marker
+    # a prior published before "next" fits existed is an "ease" one
+    cfg = PriorConfig(**({"kind": "ease"} | marker["config"]))
+    return ItemPrior(index, weight, cfg), marker
 
 
 def floats(text: str) -> list[float]:
@@ -186,6 +231,14 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"a comma list of whole numbers, got {text!r}") from None
 
 
+def kind_list(text: str) -> list[str]:
+    kinds = [x for x in text.split(",") if x]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"kinds are {', '.join(KINDS)}; got {text!r}")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     d = PriorConfig()
     p = argparse.ArgumentParser(
@@ -193,11 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dataset-uri", required=True)
     p.add_argument("--out", required=True, help="output root (local path or s3://)")
-    p.add_argument("--run", default=None, help="default: <dataset>-ease")
+    p.add_argument("--run", default=None, help="default: <dataset>-prior")
+    p.add_argument(
+        "--kind",
+        type=kind_list,
+        default=list(KINDS),
+        help=f"fit(s), comma list of {', '.join(KINDS)}",
+    )
     p.add_argument("--l2", type=floats, default=[d.l2], help="ridge weight(s), comma list")
     p.add_argument("--neighbours", type=int, default=d.neighbours, help="weights kept an item")
-    p.add_argument("--recent", type=ints, default=[1, 3, 5, 10, 20], help="newest items voting")
-    p.add_argument("--decay", type=floats, default=[0.5, 0.7, 0.85, 1.0], help="vote decay")
+    p.add_argument("--recent", type=ints, default=None, help="newest items voting (per kind)")
+    p.add_argument("--decay", type=floats, default=None, help="vote decay (default: per kind)")
     p.add_argument("--val-users", type=int, default=2000, help="0: every user")
     a = p.parse_args(argv)
     return jobs.run(
@@ -207,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             run=a.run,
             l2s=a.l2,
             neighbours=a.neighbours,
+            kinds=a.kind,
             recents=a.recent,
             decays=a.decay,
             val_users=a.val_users,

@@ -1,6 +1,9 @@
-"""The item-to-item prior (models.item_prior): the EASE fit, its sparse reading, the fusion."""
+"""The item-to-item prior (models.item_prior): the next-item and EASE fits, their sparse reading,
+the fusion."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ from models.item_prior import (
     cooccurrence,
     ease_weights,
     fuse,
+    next_item_grams,
+    next_item_weights,
     sparsify,
 )
 
@@ -47,6 +52,29 @@ def test_ease_weights_are_the_ridge_regression_of_each_item_on_all_others():
         assert b[j, j] == 0
 
 
+def test_next_item_weights_are_the_ridge_regression_of_each_next_item_on_its_context():
+    hists = random_histories(60, 25, seed=1) + [
+        torch.tensor([3]),
+        torch.tensor([], dtype=torch.long),
+    ]
+    recent, decay, l2 = 3, 0.5, 2.0
+    s_rows, y_rows = [], []  # spelt out: one row per position t >= 1 of every history
+    for h in hists:
+        for t in range(1, len(h)):
+            s, y = np.zeros(25), np.zeros(25)
+            for k in range(1, min(recent, t) + 1):
+                s[h[t - k]] += decay ** (k - 1)  # an item twice in the window adds up
+            y[h[t]] = 1
+            s_rows.append(s)
+            y_rows.append(y)
+    s, y = np.array(s_rows), np.array(y_rows)
+    gram, cross = next_item_grams(hists, 25, recent, decay)
+    np.testing.assert_allclose(gram.numpy(), s.T @ s, atol=1e-5)
+    np.testing.assert_allclose(cross.numpy(), s.T @ y, atol=1e-5)
+    want = np.linalg.solve(s.T @ s + l2 * np.eye(25), s.T @ y)
+    np.testing.assert_allclose(next_item_weights(gram, cross, l2).numpy(), want, atol=1e-4)
+
+
 def test_sparsify_keeps_each_rows_largest_weights():
     b = torch.tensor([[0.0, 0.5, -1.0, 0.2], [0.3, 0.0, 0.9, 0.1]])
     idx, w = sparsify(b, 2)
@@ -71,13 +99,17 @@ def test_the_prior_sums_the_newest_items_rows_with_decaying_votes():
     assert prior.with_recency(3, 0.5).scores([torch.tensor([4, 0, 1])])[0, 0].item() == 0.25
 
 
-def test_a_fitted_prior_ranks_the_item_that_always_follows_first():
+def test_the_next_item_fit_knows_order_and_ease_only_what_sits_beside():
     # every user walks 0 -> 1 -> 2 -> 3 ... over a 30-item catalog, starting anywhere
     hists = [torch.arange(s, s + 6) % 30 for s in range(30) for _ in range(3)]
-    prior = ItemPrior.fit(hists, 30, PriorConfig(l2=1.0, neighbours=5, recent=1, decay=1.0))
-    scores = prior.scores([torch.tensor([7])])
-    top = scores[0].topk(2).indices.tolist()
-    assert set(top) == {6, 8}  # the items seen beside 7, before and after it
+    cfg = PriorConfig(l2=1.0, neighbours=5, recent=2, decay=0.5)
+    ease = ItemPrior.fit(hists, 30, replace(cfg, kind="ease", recent=1))
+    assert set(ease.scores([torch.tensor([7])])[0].topk(2).indices.tolist()) == {6, 8}
+    nxt = ItemPrior.fit(hists, 30, cfg)
+    assert nxt.cfg.kind == "next"  # the default
+    scores = nxt.scores([torch.tensor([6, 7])])[0]
+    assert scores.argmax().item() == 8  # what follows 7
+    assert scores[8] > 2 * scores[5]  # not what came before, as EASE has it
 
 
 def test_the_fused_score_ranks_any_candidate_subset_as_the_whole_catalog():
@@ -99,6 +131,7 @@ def test_the_fused_score_ranks_any_candidate_subset_as_the_whole_catalog():
         ({"l2": 0}, "l2 must be positive"),
         ({"decay": 0}, r"decay must be in \(0, 1\]"),
         ({"recent": 0}, "at least 1"),
+        ({"kind": "svd"}, "kind must be one of next, ease, got 'svd'"),
     ],
 )
 def test_a_prior_config_out_of_range_is_refused_by_name(kw, match):

@@ -33,14 +33,15 @@ def fused_evaluation(capsys, ds: str, out: str, ranker_args: list[str]):
 
 def test_the_prior_is_fitted_picked_on_validation_and_published(tiny, capsys):
     ds, out = tiny["dataset"], tiny["out"]
-    s = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
+    argv = ["--dataset-uri", ds, "--out", out, *GRID, "--kind", "next,ease"]
+    s = run_json(capsys, fit_item_prior.main, argv)
     marker = storage.read_marker(s["out"])
     grid = marker["grid"]
-    assert len(grid) == s["configs_tried"] == 2 * 2 * 2
+    assert len(grid) == s["configs_tried"] == 2 * 2 * 2 * 2  # kind x l2 x recent x decay
+    assert {r["kind"] for r in grid} == {"next", "ease"}
     best = max(grid, key=lambda r: r["val_ndcg10"])
-    assert {k: s[k] for k in ("l2", "recent", "decay")} == {
-        k: best[k] for k in ("l2", "recent", "decay")
-    }
+    keys = ("kind", "l2", "recent", "decay")
+    assert {k: s[k] for k in keys} == {k: best[k] for k in keys}
     assert s["val_ndcg10"] == pytest.approx(best["val_ndcg10"], abs=1e-4)
     # each tiny user walks one genre in order, so the item after the last one is what its
     # neighbours predict: far above what most-popular gets from the same histories
@@ -60,6 +61,9 @@ def test_a_bad_prior_option_is_refused_before_anything_is_fitted(tiny, capsys):
     ds, out = tiny["dataset"], tiny["out"]
     rc = fit_item_prior.main(["--dataset-uri", ds, "--out", out, "--decay", "0.5,1.5"])
     assert rc == 2 and "decay must be in (0, 1], got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fit_item_prior.main(["--dataset-uri", ds, "--out", out, "--kind", "next,svd"])
+    assert "kinds are next, ease; got 'next,svd'" in capsys.readouterr().err
     assert not storage.exists(storage.join(out, "item_priors"))
 
 
