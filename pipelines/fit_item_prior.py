@@ -93,14 +93,14 @@ def fit_item_prior(
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)
     marker = storage.read_marker(dataset_uri)
+    if bad := [k for k in kinds if k not in KINDS]:
+        raise InputError(f"unknown prior kind(s) {bad}: the kinds are {', '.join(KINDS)}")
     try:  # every combination is a valid config before any minute is spent fitting
         grid = [
             PriorConfig(l2, neighbours, r, d, kind)
             for kind in kinds
             for l2, r, d in itertools.product(
-                l2s,
-                recents or DEFAULT_RECENCY.get(kind, ([1], [1]))[0],
-                decays or DEFAULT_RECENCY.get(kind, ([1], [1]))[1],
+                l2s, recents or DEFAULT_RECENCY[kind][0], decays or DEFAULT_RECENCY[kind][1]
             )
         ]
     except ValueError as e:

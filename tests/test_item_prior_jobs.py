@@ -64,6 +64,8 @@ def test_a_bad_prior_option_is_refused_before_anything_is_fitted(tiny, capsys):
     with pytest.raises(SystemExit):
         fit_item_prior.main(["--dataset-uri", ds, "--out", out, "--kind", "next,svd"])
     assert "kinds are next, ease; got 'next,svd'" in capsys.readouterr().err
+    with pytest.raises(fit_item_prior.InputError, match=r"unknown prior kind\(s\) \['svd'\]"):
+        fit_item_prior.fit_item_prior(ds, out, l2s=[1.0], neighbours=8, kinds=["svd"])
     assert not storage.exists(storage.join(out, "item_priors"))
 
 
