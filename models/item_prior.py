@@ -84,9 +84,7 @@ def cooccurrence(histories: list[Tensor], n_items: int) -> Tensor:
 def ease_weights(gram: Tensor, l2: float) -> Tensor:
     """The EASE item-item matrix from G = X^T X (N, N): B = -P / diag(P) by column, diagonal
     zero, P = (G + l2 I)^-1 (by Cholesky: G + l2 I is symmetric positive definite)."""
-    a = gram.float().clone()
-    a.diagonal().add_(l2)
-    p = torch.cholesky_inverse(torch.linalg.cholesky(a))
+    p = torch.cholesky_inverse(ridge_cholesky(gram, l2))
     b = p / (-p.diagonal())[None, :]
     b.diagonal().zero_()
     return b.float()
@@ -132,9 +130,14 @@ def next_item_grams(
 def next_item_weights(gram: Tensor, cross: Tensor, l2: float) -> Tensor:
     """The "next" fit's item-item matrix (N, N): B = (S^T S + l2 I)^-1 S^T Y from
     ``next_item_grams`` (by Cholesky: S^T S + l2 I is symmetric positive definite)."""
+    return torch.cholesky_solve(cross.float(), ridge_cholesky(gram, l2))
+
+
+def ridge_cholesky(gram: Tensor, l2: float) -> Tensor:
+    """The lower Cholesky factor of gram + l2 I, in float32 (both fits' one factorisation)."""
     a = gram.float().clone()
     a.diagonal().add_(l2)
-    return torch.cholesky_solve(cross.float(), torch.linalg.cholesky(a))
+    return torch.linalg.cholesky(a)
 
 
 def sparsify(b: Tensor, neighbours: int) -> tuple[Tensor, Tensor]:
