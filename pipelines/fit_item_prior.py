@@ -93,8 +93,8 @@ def fit_item_prior(
     t0 = time.perf_counter()
     dataset_uri = storage.absolute(dataset_uri)
     marker = storage.read_marker(dataset_uri)
-    if bad := [k for k in kinds if k not in KINDS]:
-        raise InputError(f"unknown prior kind(s) {bad}: the kinds are {', '.join(KINDS)}")
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise InputError(f"prior kinds must be some of {', '.join(KINDS)}; got {list(kinds)}")
     try:  # every combination is a valid config before any minute is spent fitting
         grid = [
             PriorConfig(l2, neighbours, r, d, kind)
@@ -183,7 +183,7 @@ def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int):
         gram = cooccurrence(hists, n_items)
         for l2 in dict.fromkeys(c.l2 for c in ease):
             t1 = time.perf_counter()
-            index, weight = sparsify(ease_weights(gram, l2), grid[0].neighbours)
+            index, weight = sparsify(ease_weights(gram, l2), ease[0].neighbours)
             log_solve("ease", l2, t1)
             for cfg in (c for c in ease if c.l2 == l2):
                 yield cfg, ItemPrior(index, weight, cfg)
@@ -231,14 +231,6 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"a comma list of whole numbers, got {text!r}") from None
 
 
-def kind_list(text: str) -> list[str]:
-    kinds = [x for x in text.split(",") if x]
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"kinds are {', '.join(KINDS)}; got {text!r}")
-    return kinds
-
-
 def main(argv: list[str] | None = None) -> int:
     d = PriorConfig()
     p = argparse.ArgumentParser(
@@ -249,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", default=None, help="default: <dataset>-prior")
     p.add_argument(
         "--kind",
-        type=kind_list,
+        type=lambda text: [x for x in text.split(",") if x],  # fit_item_prior checks the names
         default=list(KINDS),
         help=f"fit(s), comma list of {', '.join(KINDS)}",
     )
