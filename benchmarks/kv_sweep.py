@@ -12,7 +12,9 @@ Parquet, expanded, MIS over the full catalog), as serving will. Router use (dist
 M) and its entropy come from the state build. Baselines on the same users: the uncompressed
 ranker (fp16 KV, ratio 1), its KV stored in int8 with a scale per token and head, and the
 low-rank KV with R = 2 + 2 d_u fp16 numbers per token and layer (the bytes of CollectiveKV at
-that d_u) fine-tuned the same way. Writes ``benchmarks/results/kv_sweep_<dataset>.json`` and
+that d_u) fine-tuned the same way. Each row carries the standard error of its NDCG@10 and the
+paired standard error of its gap to the uncompressed row (same users), so a gap can be told
+from the noise of one test item a user. Writes ``benchmarks/results/kv_sweep_<dataset>.json`` and
 prints the table.
 """
 
@@ -54,9 +56,36 @@ def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 3
     return torch.cat(out).numpy()
 
 
-def ndcg(ranks: np.ndarray) -> tuple[float, float]:
+def user_ndcg(ranks: np.ndarray) -> np.ndarray:
+    """Per-user NDCG@10 of 0-based full-catalog ranks (U,) -> (U,) float64."""
     r = ranks.astype(np.float64)
-    return float(np.where(r < 10, 1 / np.log2(r + 2), 0).mean()), float((r < 10).mean())
+    return np.where(r < 10, 1 / np.log2(r + 2), 0.0)
+
+
+def ndcg(ranks: np.ndarray) -> tuple[float, float]:
+    return float(user_ndcg(ranks).mean()), float((ranks < 10).mean())
+
+
+def standard_errors(ranks: np.ndarray, base_ranks: np.ndarray) -> dict:
+    """How far a row's NDCG@10 can be read: the standard error of its mean over the test users,
+    and the PAIRED standard error of its difference to the uncompressed row on the same users.
+
+    One test item a user makes NDCG@10 noisy (~0.006 on 1,000 amazon users), but two rows
+    scored on the same users share most of that noise: the paired error of their gap is what
+    says whether a configuration is really below the uncompressed ranker.
+    """
+    row, base = user_ndcg(ranks), user_ndcg(base_ranks)
+    if len(row) != len(base):
+        raise ValueError(f"{len(row)} users' ranks against {len(base)} uncompressed ones")
+    n = len(row)
+    se = float(row.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+    gap = row - base
+    gap_se = float(gap.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+    return {
+        "ndcg10_se": round(se, 5),
+        "ndcg10_gap": round(float(gap.mean()), 5),
+        "ndcg10_gap_se": round(gap_se, 5),
+    }
 
 
 INT8 = "int8 KV (scale per token, head)"
@@ -277,9 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         base_ndcg = rows[0]["ndcg10"] if rows else nd  # the uncompressed row comes first
         vs = round(nd / base_ndcg, 4) if base_ndcg else None
         row = {"method": method, "ratio": round(ratio, 5), "ndcg10": nd, "hr10": hr}
-        rows.append(row | {"ndcg_vs_uncompressed": vs} | extra)
+        errors = standard_errors(ranks, full_ranks)
+        rows.append(row | {"ndcg_vs_uncompressed": vs} | errors | extra)
         print(
-            f"{method:<34} ratio {ratio:8.5f}  NDCG@10 {nd:.4f}  HR@10 {hr:.4f}  {extra}",
+            f"{method:<34} ratio {ratio:8.5f}  NDCG@10 {nd:.4f} +- {errors['ndcg10_se']:.4f}  "
+            f"gap {errors['ndcg10_gap']:+.4f} +- {errors['ndcg10_gap_se']:.4f} (paired)  "
+            f"HR@10 {hr:.4f}  {extra}",
             flush=True,
         )
         report(complete=False)
@@ -384,13 +416,18 @@ def main(argv: list[str] | None = None) -> None:
             fit_seconds=s["seconds"],
         )
     report(complete=True)
-    print("| method | ratio | NDCG@10 | vs uncompressed | HR@10 | router use | entropy (bits) |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| method | ratio | NDCG@10 | vs uncompressed | gap (paired SE) | HR@10 | router use "
+        "| entropy (bits) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        # rows resumed from a sweep written before the errors were kept have none
+        gap = f"{r['ndcg10_gap']:+.4f} ({r['ndcg10_gap_se']:.4f})" if "ndcg10_gap" in r else ""
         print(
             f"| {r['method']} | {r['ratio']:.3%} | {r['ndcg10']:.4f} | "
-            f"{r['ndcg_vs_uncompressed']} | {r['hr10']:.4f} | {r.get('router_use', '')} | "
-            f"{r.get('entropy_bits', '')} |"
+            f"{r['ndcg_vs_uncompressed']} | {gap} | {r['hr10']:.4f} | "
+            f"{r.get('router_use', '')} | {r.get('entropy_bits', '')} |"
         )
     print(f"wrote {path}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 
 from benchmarks import kv_sweep
@@ -56,6 +57,10 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     ]
     for r in rows.values():
         assert 0 <= r["ndcg10"] <= r["hr10"] <= 1
+        assert r["ndcg10_gap"] == pytest.approx(
+            r["ndcg10"] - rows["uncompressed fp16 KV"]["ndcg10"], abs=1e-5
+        )
+    assert rows["uncompressed fp16 KV"]["ndcg10_gap_se"] == 0.0
     ckv = rows["CollectiveKV M=16 d_u=2"]
     assert 0 < ckv["router_use"] <= 1 and ckv["collapsed"] == []
     assert "| CollectiveKV M=16 d_u=2 |" in capsys.readouterr().out
@@ -123,6 +128,23 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
     assert [r["method"] for r in resumed["rows"][2:]] == ["CollectiveKV M=16 d_u=1"]
     assert len(scored) == 2  # uncompressed (the check) + the new row
     assert resumed["seconds"] >= result["seconds"]
+
+
+def test_the_paired_error_of_a_gap_is_smaller_when_rows_share_their_users_noise():
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 40, size=1000)
+    # the same users, one rank better for a tenth of them: a small gap over large per-user noise
+    row = np.where(rng.random(1000) < 0.1, np.maximum(base - 1, 0), base)
+    e = kv_sweep.standard_errors(row, base)
+    per_user = kv_sweep.user_ndcg(row)
+    assert e["ndcg10_se"] == pytest.approx(per_user.std(ddof=1) / np.sqrt(1000), abs=1e-5)
+    gap = per_user - kv_sweep.user_ndcg(base)
+    assert e["ndcg10_gap"] == pytest.approx(gap.mean(), abs=1e-5) and e["ndcg10_gap"] > 0
+    assert e["ndcg10_gap_se"] == pytest.approx(gap.std(ddof=1) / np.sqrt(1000), abs=1e-5)
+    assert 0 < e["ndcg10_gap_se"] < e["ndcg10_se"] / 3
+    assert kv_sweep.standard_errors(base, base)["ndcg10_gap_se"] == 0.0
+    with pytest.raises(ValueError, match="999 users' ranks against 1000"):
+        kv_sweep.standard_errors(row[:999], base)
 
 
 def test_a_thin_pool_is_told_what_would_fill_it():
