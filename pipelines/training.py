@@ -244,6 +244,8 @@ def report_epoch(rank: int, state: dict, metrics: dict, files: dict[str, str] | 
     import ray.train
     import torch
 
+    if rank == 0:  # the epoch's line in the job's log: its validation is otherwise only on disk
+        log.info("epoch %s", epoch_line(metrics))
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
         if rank == 0:
@@ -253,6 +255,19 @@ def report_epoch(rank: int, state: dict, metrics: dict, files: dict[str, str] | 
                     f.write(text)
             checkpoint = ray.train.Checkpoint.from_directory(d)
         ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def epoch_line(metrics: dict) -> str:
+    """One epoch's figures as a log line: ``3: loss 9.5561, val_ndcg10 0.0566 (best 0.0566),
+    429 s`` (the validation keys are each trainer's own)."""
+    val = [k for k in metrics if k.startswith("val_") and k.endswith("ndcg10")]
+    parts = [f"loss {metrics['loss']:.4f}"] + [
+        f"{k} {metrics[k]:.4f}"
+        + (f" (best {metrics['best_' + k]:.4f})" if "best_" + k in metrics else "")
+        for k in val
+    ]
+    seconds = f", {metrics['epoch_seconds']:.0f} s" if "epoch_seconds" in metrics else ""
+    return f"{metrics['epoch']}: " + ", ".join(parts) + seconds
 
 
 def out_of_time(started: float, max_minutes: float, world: int) -> bool:

@@ -226,6 +226,14 @@ def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
     assert int(again.n_averaged) == 5
 
 
+def test_each_epoch_is_one_log_line_with_its_trainers_validation():
+    ranker = {"epoch": 1, "loss": 9.55609, "val_ndcg10": 0.05660, "val_hr10": 0.1}
+    ranker |= {"best_val_ndcg10": 0.05660, "epoch_seconds": 428.8}
+    assert training.epoch_line(ranker) == "1: loss 9.5561, val_ndcg10 0.0566 (best 0.0566), 429 s"
+    teacher = {"epoch": 0, "loss": 1.2, "val_sampled_ndcg10": 0.3, "best_val_sampled_ndcg10": 0.4}
+    assert training.epoch_line(teacher) == "0: loss 1.2000, val_sampled_ndcg10 0.3000 (best 0.4000)"
+
+
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
     rc = train_ranker.main(
         [
