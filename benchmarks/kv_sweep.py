@@ -57,9 +57,10 @@ def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 3
 
 
 def user_ndcg(ranks: np.ndarray) -> np.ndarray:
-    """Per-user NDCG@10 of 0-based full-catalog ranks (U,) -> (U,) float64."""
-    r = ranks.astype(np.float64)
-    return np.where(r < 10, 1 / np.log2(r + 2), 0.0)
+    """Per-user NDCG@10 (models.metrics' rule) of 0-based full-catalog ranks (U,) -> (U,)."""
+    from models.metrics import ndcg_at_k
+
+    return ndcg_at_k(torch.as_tensor(ranks)).numpy()
 
 
 def ndcg(ranks: np.ndarray) -> tuple[float, float]:
@@ -77,14 +78,15 @@ def standard_errors(ranks: np.ndarray, base_ranks: np.ndarray) -> dict:
     row, base = user_ndcg(ranks), user_ndcg(base_ranks)
     if len(row) != len(base):
         raise ValueError(f"{len(row)} users' ranks against {len(base)} uncompressed ones")
-    n = len(row)
-    se = float(row.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
+
+    def se(x: np.ndarray) -> float:
+        return round(float(x.std(ddof=1) / np.sqrt(len(x))), 5) if len(x) > 1 else float("nan")
+
     gap = row - base
-    gap_se = float(gap.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
     return {
-        "ndcg10_se": round(se, 5),
+        "ndcg10_se": se(row),
         "ndcg10_gap": round(float(gap.mean()), 5),
-        "ndcg10_gap_se": round(gap_se, 5),
+        "ndcg10_gap_se": se(gap),
     }
 
 
