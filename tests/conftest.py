@@ -10,6 +10,16 @@ import pytest
 
 from pipelines import sources
 
+# the slow tier: every test that starts a Ray (embedded or a cluster) or needs the tiny trained
+# chain; `make test-fast` runs the rest (`-m "not slow"`)
+RAY_FIXTURES = {"ray_local", "ray_head", "tiny_trained"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,13 +41,9 @@ def ray_local(s3_endpoint):
     the S3 endpoint so that its worker processes inherit the AWS_* variables."""
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 1024 * 1024,
-        log_to_driver=False,
-    )
+    from pipelines.ray_runtime import start_embedded
+
+    start_embedded(num_cpus=2, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -154,12 +160,26 @@ def ray_head(tmp_path_factory):
     }:
         time.sleep(0.5)
     yield {"address": address, "env": env}
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    # a throwaway cluster: `ray start --block` did not exit on SIGTERM within 30 s (it always
+    # ran into the timeout), so its process group is killed outright; its workers exit with
+    # their raylet
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
     logfile.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(tmp_path_factory, ray_local):
+    """The tiny dataset with a trained ranker, its CollectiveKV fine-tune and every user's
+    state, built once per test run (``tests.tiny.tiny_chain``): tests only read it and write
+    their own outputs under their own folders: {"dataset", "base", "fit", "states"} (the
+    last three: the jobs' summaries)."""
+    from tests.tiny import base_texts, prepare, tiny_chain, write_catalog, write_sequences
+
+    d = tmp_path_factory.mktemp("tiny_trained")
+    out = str(d / "out")
+    ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
+    return {"dataset": ds, **tiny_chain(ds, out)}
 
 
 @pytest.fixture()

@@ -34,7 +34,7 @@ def main(out_dir: str) -> dict:
     from pipelines import encode_items
     from services.app import build_app
     from tests.conftest import free_port
-    from tests.tiny import base_texts, prepare, tiny_ckv_states, write_catalog, write_sequences
+    from tests.tiny import base_texts, prepare, tiny_chain, write_catalog, write_sequences
 
     d = Path(out_dir)
     out = str(d / "out")
@@ -66,7 +66,7 @@ def main(out_dir: str) -> dict:
         assert encode_items.main(argv) == 0
         encoder_nodes = nodes_of(f"http://127.0.0.1:{dash}", "EncoderActor")
 
-        built = tiny_ckv_states(ds, out, actors=2)
+        built = tiny_chain(ds, out, actors=2)["states"]
 
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")

@@ -26,7 +26,7 @@ from pipelines import (
     train_kv_pool,
 )
 from tests.test_ranker import tiny_ranker
-from tests.tiny import N_USERS, TINY_TRAIN, run_json, train_tiny_base
+from tests.tiny import N_USERS, TINY_TRAIN, run_json
 
 
 def tiny_ckv_ranker(user_dim: int = 2, share: str = "kv") -> Ranker:
@@ -114,9 +114,8 @@ def test_the_pools_are_fitted_to_enough_users_for_the_token_budget():
     assert everyone.height == 100
 
 
-def test_fit_pools_build_states_and_evaluate_from_them(tiny, ray_local, capsys):
-    out, ds = tiny["out"], tiny["dataset"]
-    base = train_tiny_base(capsys, ds, out)
+def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, capsys):
+    out, ds, base = str(tmp_path / "out"), tiny_trained["dataset"], tiny_trained["base"]
     analysis = run_json(
         capsys,
         analyze_kv.main,

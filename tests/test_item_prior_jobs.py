@@ -13,7 +13,7 @@ from models.item_prior import FUSION_WEIGHTS
 from models.metrics import ranks_from_scores
 from pipelines import evaluate, fit_item_prior, storage
 from pipelines.data import user_sequences
-from tests.tiny import run_json, train_tiny_base
+from tests.tiny import run_json
 
 GRID = ["--l2", "1,50", "--recent", "1,3", "--decay", "0.5,1", "--neighbours", "8"]
 
@@ -73,10 +73,9 @@ def test_a_bad_prior_option_is_refused_before_anything_is_fitted(tiny, capsys):
 
 
 def test_evaluate_fuses_the_prior_with_the_ranker_at_the_weight_validation_picks(
-    tiny, ray_local, capsys
+    tiny_trained, tmp_path, capsys
 ):
-    ds, out = tiny["dataset"], tiny["out"]
-    base = train_tiny_base(capsys, ds, out)
+    ds, out, base = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["base"]
     prior, s, report = fused_evaluation(capsys, ds, out, ["--checkpoint", base["checkpoint"]])
     assert set(report["metrics"]) == {"ranker", "item_prior", "ranker_prior", "most_popular"}
     fusion = report["metrics"]["ranker_prior"]["fusion"]
@@ -109,15 +108,15 @@ def evaluate_prior_actor(checkpoint: str, prior: str):
     return PriorFusionRanks(checkpoint, None, 1, False, prior)
 
 
-def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(tiny, ray_local, capsys):
+def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
+    tiny_trained, tmp_path, capsys
+):
     import polars as pl
 
     from pipelines import build_user_states
     from pipelines.prior_fusion import PriorFusionRanks
-    from tests.tiny import tiny_ckv_states
 
-    ds, out = tiny["dataset"], tiny["out"]
-    built = tiny_ckv_states(ds, out)
+    ds, out, built = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["states"]
     prior, _, report = fused_evaluation(capsys, ds, out, ["--user-states", built["user_states"]])
     assert set(report["metrics"]) == {
         "ranker",

@@ -11,14 +11,12 @@ import pytest
 
 from benchmarks import kv_sweep
 from pipelines import train_kv_pool
-from tests.tiny import train_tiny_base
 
 
 def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
-    tiny, ray_local, tmp_path, capsys
+    tiny_trained, tmp_path, capsys
 ):
-    ds, out = tiny["dataset"], tiny["out"]
-    base = train_tiny_base(capsys, ds, out)
+    ds, out, base = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["base"]
     path = tmp_path / "sweep.json"
     warned: list[str] = []
     catch = logging.Handler(logging.WARNING)
@@ -71,10 +69,9 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
 
 
 def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
-    tiny, ray_local, tmp_path, capsys, monkeypatch
+    tiny_trained, tmp_path, capsys, monkeypatch
 ):
-    ds, out = tiny["dataset"], tiny["out"]
-    base = train_tiny_base(capsys, ds, out)
+    ds, out, base = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["base"]
     path = tmp_path / "sweep.json"
 
     def stopped(*args, **kwargs):

@@ -4,6 +4,7 @@ workers, checkpoint and resume, evaluation, and the whole chain on s3:// (moto).
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import polars as pl
@@ -185,26 +186,28 @@ def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_pat
     assert epochs(0, tmp_path / "d", n=1)[0] not in (first, second)
 
 
-def test_the_embedded_rays_workers_silence_the_state_api_warnings():
-    import importlib
+def test_the_embedded_rays_workers_find_their_own_cluster_and_silence_its_state_api(ray_local):
+    """A worker of the embedded Ray resolves an address-less cluster lookup (what Ray Train's
+    placement-group cleaner does) to this Ray, not to whatever cluster /tmp/ray names last,
+    and the cleaner's every-second State API warnings are off there."""
     import logging
 
-    from pipelines import ray_runtime
-
-    module, name = ray_runtime.EMBEDDED_SETUP_HOOK.rsplit(".", 1)
-    cleaner = logging.getLogger(
-        "ray.train.v2._internal.execution.controller.placement_group_cleaner"
-    )
-    before = cleaner.level
-    try:
-        getattr(importlib.import_module(module), name)()  # as Ray's worker resolves the hook
-        assert not cleaner.isEnabledFor(logging.WARNING) and cleaner.isEnabledFor(logging.ERROR)
-    finally:
-        cleaner.setLevel(before)
-    # the logger named is the one the cleaner logs to in this Ray
     from ray.train.v2._internal.execution.controller import placement_group_cleaner
 
-    assert placement_group_cleaner.logger.name == cleaner.name
+    name = placement_group_cleaner.logger.name
+
+    @ray_local.remote(num_cpus=0.1)
+    def seen_by_a_worker() -> tuple[str | None, bool, bool]:
+        cleaner = logging.getLogger(name)
+        return (
+            os.environ.get("RAY_ADDRESS"),
+            cleaner.isEnabledFor(logging.WARNING),
+            cleaner.isEnabledFor(logging.ERROR),
+        )
+
+    address, warns, errors = ray_local.get(seen_by_a_worker.remote())
+    assert address == ray_local.get_runtime_context().gcs_address
+    assert not warns and errors
 
 
 def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():

@@ -12,22 +12,19 @@ import torch
 
 from pipelines import build_user_states, fit_item_prior, states, storage
 from tests.conftest import free_port
-from tests.tiny import base_texts, prepare, tiny_ckv_states, write_catalog, write_sequences
 
 PRIOR_WEIGHT = 0.5  # the served score: ranker + 0.5 x the item-to-item prior
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, ray_local):
+def served(tmp_path_factory, tiny_trained):
     """A tiny CollectiveKV ranker's states behind the app: {"url", "states"}."""
     from ray import serve
 
     from services.app import build_app
 
     d = tmp_path_factory.mktemp("serve")
-    out = str(d / "out")
-    ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
-    built = tiny_ckv_states(ds, out)
+    out, ds, built = str(d / "out"), tiny_trained["dataset"], tiny_trained["states"]
     prior = fit_item_prior.fit_item_prior(
         ds, out, l2s=[1.0], neighbours=8, recents=[3], decays=[0.7], val_users=0
     )["out"]
@@ -35,6 +32,7 @@ def served(tmp_path_factory, ray_local):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {
         "manifest_uri": built["user_states"],
+        "store_uri": str(d / "store"),  # the events this module sends; the states stay shared
         "shards": 2,
         "max_candidates": 50,
         "max_body_bytes": 4096,
@@ -233,6 +231,7 @@ def test_killed_ranker_and_store_replicas_under_load(served):
     user = 2  # shard 0
     start = httpx.get(f"{url}/v1/users/{user}").json()["history_length"]
     acked: list[int] = []
+    ranked: list[int] = []
     first_failures: list[str] = []
     gave_up: list[str] = []
     stop = threading.Event()
@@ -260,18 +259,26 @@ def test_killed_ranker_and_store_replicas_under_load(served):
 
     def ranks() -> None:
         while not stop.is_set():
-            call("/v1/rank", {"user_id": 5, "candidate_item_ids": [1, 2, 3, 4], "k": 2})
+            if call("/v1/rank", {"user_id": 5, "candidate_item_ids": [1, 2, 3, 4], "k": 2}):
+                ranked.append(1)
+
+    def served_more(n: int, within: float, what: str) -> None:
+        """Wait until both clients have had ``n`` more answers than now: the app serves again."""
+        events_then, ranks_then = len(acked), len(ranked)
+        deadline = time.time() + within
+        while len(acked) < events_then + n or len(ranked) < ranks_then + n:
+            assert time.time() < deadline and not gave_up, f"{what}: {gave_up}"
+            time.sleep(0.1)
 
     threads = [threading.Thread(target=events), threading.Thread(target=ranks)]
     for t in threads:
         t.start()
-    time.sleep(3)
+    served_more(3, 60, "the load never got going")
     for target in ("Ranker", "UserStateStore0"):
         for a in ray.util.list_named_actors(all_namespaces=True):
             if f"#{target}#" in a["name"]:
                 ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
-        time.sleep(4)
-    time.sleep(6)
+        served_more(3, 120, f"the app did not serve again after its {target} was killed")
     stop.set()
     for t in threads:
         t.join(timeout=120)

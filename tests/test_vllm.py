@@ -16,7 +16,7 @@ from torch.testing import assert_close
 from pipelines import encode_items, label_teacher, storage, train_teacher
 from pipelines.data import item_titles
 from tests.conftest import free_port
-from tests.tiny import TINY_TEACHER, run_json, tiny_ckv_states
+from tests.tiny import TINY_TEACHER, run_json
 
 pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (make vllm-env)")
 pytestmark = pytest.mark.vllm
@@ -40,20 +40,16 @@ def test_encode_items_with_vllm_gives_the_hf_vectors(tiny, ray_local, capsys):
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory, ray_local):
+def teacher(tmp_path_factory, tiny_trained):
     """A tiny published teacher and CollectiveKV states on the tiny dataset."""
-    from tests.tiny import base_texts, prepare, write_catalog, write_sequences
-
-    d = tmp_path_factory.mktemp("vllm")
-    out = str(d / "out")
-    ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
+    out, ds = str(tmp_path_factory.mktemp("vllm") / "out"), tiny_trained["dataset"]
     args = ["--dataset-uri", ds, "--out", out, "--run", "t", "--epochs", "1", *TINY_TEACHER]
     assert train_teacher.main(args) == 0
     return {
         "out": out,
         "dataset": ds,
         "teacher": train_teacher.teacher_uri(out, "t"),
-        "states": tiny_ckv_states(ds, out),  # a ranker's build_user_states summary
+        "states": tiny_trained["states"],  # a ranker's build_user_states summary
     }
 
 

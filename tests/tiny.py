@@ -72,19 +72,6 @@ TINY_TRAIN += ["--max-len", "10"]
 TINY_SHAPE = TINY_MODEL + TINY_TRAIN
 
 
-def train_tiny_base(capsys, ds: str, out: str) -> dict:
-    """train_ranker's summary for a one-epoch tiny id ranker, run "base" (the model the
-    CollectiveKV jobs start from)."""
-    from pipelines import train_ranker
-
-    return run_json(
-        capsys,
-        train_ranker.main,
-        ["--dataset-uri", ds, "--out", out, "--run", "base", "--item-input", "id"]
-        + ["--epochs", "1", *TINY_SHAPE],
-    )
-
-
 # a teacher of a few CPU-seconds for train_teacher: head size 64 (what vLLM's CPU attention
 # takes), short prompts
 TINY_TEACHER = ["--d-model", "64", "--n-heads", "1", "--ffn-dim", "64", "--max-length", "96"]
@@ -92,9 +79,11 @@ TINY_TEACHER += ["--max-history", "5", "--batch-size", "4", "--negatives", "3", 
 TINY_TEACHER += ["--max-len", "10", "--max-steps", "3"]
 
 
-def tiny_ckv_states(ds: str, out: str, actors: int = 1) -> dict:
-    """Train a tiny id ranker on the tiny dataset, fit its CollectiveKV pools (M 16) and build
-    every user's state: the build_user_states summary (``user_states`` is the manifest URI)."""
+def tiny_chain(ds: str, out: str, actors: int = 1) -> dict:
+    """On the tiny dataset ``ds``: train a one-epoch tiny id ranker (run "base"), fit its
+    CollectiveKV pools (run "ckv", M 16) and build every user's state, all under ``out``:
+    {"base", "fit", "states"}, the jobs' summaries (``states["user_states"]`` is the manifest
+    URI)."""
     from models.config import CollectiveKVConfig
     from pipelines import build_user_states, train_kv_pool, train_ranker
 
@@ -113,4 +102,5 @@ def tiny_ckv_states(ds: str, out: str, actors: int = 1) -> dict:
         init_users=40,
         init_tokens=200,
     )
-    return build_user_states.build(ds, fit["checkpoint"], out, actors=actors)
+    states = build_user_states.build(ds, fit["checkpoint"], out, actors=actors)
+    return {"base": base, "fit": fit, "states": states}
