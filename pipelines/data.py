@@ -130,7 +130,7 @@ def load_checkpoint(uri: str):
         map_location="cpu",
         weights_only=True,
     )
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state)
     return model.eval(), marker
 
 

@@ -276,7 +276,14 @@ def fit(
             "" if ckv.share == "kv" else f"-share-{ckv.share}"
         )
     model = Ranker(rc, n_items=int(marker["n_items"]))
-    model.load_state_dict(base.state_dict(), strict=False)  # everything but the new modules
+    # everything but the compressed cache's new modules, which must be all that is missing
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    new = set(model.compressed_kv_parameters())
+    if unexpected or not set(missing) <= new:
+        raise InputError(
+            f"{checkpoint} does not fit the compressed ranker: unexpected {unexpected}, "
+            f"missing {sorted(set(missing) - new)}"
+        )
     init_stats: dict = {"init": init}
     init_tokens = init_tokens or default_init_tokens(None if kv_rank else ckv.pool_size)
     if init == "fit" and not resume:

@@ -166,10 +166,12 @@ def train_loop(config: dict) -> None:
     state = restored_state(config)
     start_epoch, best, bad, history = progress(state)
     if state is not None:
-        model.load_state_dict(state["model"], strict=False)
+        model.load_state_dict(state["model"])
     elif config.get("init_uri"):
-        init = torch.load(open_file(*config["init_uri"].rsplit("/", 1)), map_location="cpu")
-        model.load_state_dict(init, strict=True)
+        init = torch.load(
+            open_file(*config["init_uri"].rsplit("/", 1)), map_location="cpu", weights_only=True
+        )
+        model.load_state_dict(init)
     if tc.tune == "kv":  # only the compressed cache learns; the rest stays the base's
         tuned = set(model.compressed_kv_parameters())
         for name, p in model.named_parameters():
@@ -411,7 +413,7 @@ def train(
     history = [metrics for _, metrics in checkpoints]
     last = history[-1]
     best_dir, best = max(checkpoints, key=lambda e: e[1]["val_ndcg10"])
-    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=False)
+    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
     buf = io.BytesIO()
     published = state.get("published")  # None: no average (or a checkpoint from before it)
     torch.save(state["model"] if published is None else published, buf)

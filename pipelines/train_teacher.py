@@ -275,7 +275,7 @@ def train(
     )
     history = [metrics for _, metrics in checkpoints]
     best_dir, best = max(checkpoints, key=lambda e: e[1]["val_sampled_ndcg10"])
-    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=False)
+    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
     teacher = build_teacher(mc)
     teacher.load_state_dict(state["model"])
     pub = storage.Publication(root)

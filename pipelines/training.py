@@ -198,7 +198,7 @@ def restored_state(config: dict) -> dict | None:
     if not source:
         return None
     with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
-        return torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=False)
+        return torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=True)
 
 
 def progress(state: dict | None) -> tuple[int, float, int, list]:

@@ -152,13 +152,13 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     model, marker = data.load_checkpoint(root)
     assert model.cfg.d_model == 32
     # published: the best epoch's weight average, not its raw weights
-    best = torch.load(training.open_file(marker["source"], "state.pt"), weights_only=False)
+    best = torch.load(training.open_file(marker["source"], "state.pt"), weights_only=True)
     weights = model.state_dict()
     assert all(torch.equal(weights[k], v) for k, v in best["published"].items())
     assert any(not torch.equal(best["model"][k], v) for k, v in best["published"].items())
     # the average went on across the resume: it has seen every step of the three epochs
     last = training.list_checkpoints(storage.join(root, "train"))[-1][0]
-    last_state = torch.load(training.open_file(last, "state.pt"), weights_only=False)
+    last_state = torch.load(training.open_file(last, "state.pt"), weights_only=True)
     assert last_state["averaged_steps"] == sum(h["steps"] for h in history2)
 
 
