@@ -60,8 +60,8 @@ def main(out_dir: str) -> dict:
         argv = ["--dataset-uri", ds, "--out", out, "--actors", "2", "--batch-size", "8"]
         argv += ["--cpus-per-actor", "0.75"]
         # Ray Data starts a pool's actors asynchronously and hands blocks to the first one ready:
-        # on a loaded machine it finished all 8 before the second had started on its node (CI,
-        # stop 22). Waiting for the whole pool makes the placement the test checks certain.
+        # on a loaded machine it finished all 8 before the second had started on its node (seen in
+        # CI). Waiting for the whole pool makes the placement the test checks certain.
         ray.data.DataContext.get_current().wait_for_min_actors_s = 300
         assert encode_items.main(argv) == 0
         encoder_nodes = nodes_of(f"http://127.0.0.1:{dash}", "EncoderActor")
