@@ -23,6 +23,10 @@ from pipelines.sources import InputError
 
 ENGINES = ("hf", "vllm")
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: the CPU build's KV cache, in GiB
+# the CPU build's environment: its KV cache size, and the engine core in the process that builds
+# the engine (one CPU worker has no GPU to keep busy; a separate core process cost an import of
+# vLLM, ~7 s, at every engine start)
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def check_engine(engine: str) -> str:
@@ -47,8 +51,9 @@ def require_vllm():
         ) from e
     if not _has_cuda():
         # vLLM's CPU backend takes its KV cache size from here (GiB; the default is sized for
-        # servers): 1 GiB holds 500k+ tokens of the teacher
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        # servers): 1 GiB holds 500k+ tokens of the teacher; see CPU_ENV
+        for name, value in CPU_ENV.items():
+            os.environ.setdefault(name, value)
     return vllm
 
 
@@ -74,6 +79,7 @@ def engine_kwargs(max_len: int, *, prefix_caching: bool, gpu: bool | None = None
     }
     if not gpu:
         kw["gpu_memory_utilization"] = 0.1
+        kw["distributed_executor_backend"] = "uni"
     return kw
 
 
@@ -137,7 +143,7 @@ def embed_items(ds, cfg: EncoderConfig, *, actors: int, gpus: int):
         engine_kwargs=engine_kwargs(cfg.max_length, prefix_caching=False, gpu=bool(gpus)),
         placement_group_config={"bundles": [bundle]},
         # the engines live in Ray Data actors: they take the CPU build's KV cache size from here
-        runtime_env=None if gpus else {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB}},
+        runtime_env=None if gpus else {"env_vars": CPU_ENV},
         batch_size=cfg.batch_size,
         concurrency=actors,
         chat_template_stage={"enabled": False},
