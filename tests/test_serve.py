@@ -273,15 +273,17 @@ def test_killed_ranker_and_store_replicas_under_load(served):
     threads = [threading.Thread(target=events), threading.Thread(target=ranks)]
     for t in threads:
         t.start()
-    served_more(3, 60, "the load never got going")
-    for target in ("Ranker", "UserStateStore0"):
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if f"#{target}#" in a["name"]:
-                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
-        served_more(3, 120, f"the app did not serve again after its {target} was killed")
-    stop.set()
-    for t in threads:
-        t.join(timeout=120)
+    try:  # a failed wait must still stop the clients, or their threads outlive the test
+        served_more(3, 60, "the load never got going")
+        for target in ("Ranker", "UserStateStore0"):
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if f"#{target}#" in a["name"]:
+                    ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+            served_more(3, 120, f"the app did not serve again after its {target} was killed")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
     assert not gave_up, f"requests failed even after retries: {gave_up}"
     assert len(acked) > 5
     assert len(first_failures) <= 40, first_failures  # in flight during the kills, bounded
