@@ -49,7 +49,7 @@ DEMO_KV_EPOCHS ?= 1
 # evaluate -> analyse the KV -> fit the CollectiveKV pools -> build user states -> evaluate from
 # them -> serve them, rank one user's catalog, short load; tables and plots in out/reports/demo/
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m services.demo --out $(OUT) \
+	RAY_AUTH_MODE=disabled $(PY) -m demo --out $(OUT) \
 		--epochs $(DEMO_EPOCHS) --kv-epochs $(DEMO_KV_EPOCHS)
 
 # everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm

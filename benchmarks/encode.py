@@ -19,10 +19,12 @@ import numpy as np
 import polars as pl
 import torch
 
+from artifacts import storage
 from benchmarks import report as report_file
 from models.config import EncoderConfig
 from models.encoder import ItemEncoder
-from pipelines import encode_items, prepare_data, sources, storage
+from pipelines import encode_items, prepare_data
+from pipelines.common import sources
 
 
 def plain_loop(texts: list[str], cfg: EncoderConfig) -> float:

@@ -159,11 +159,12 @@ def same_base(previous: dict, scored: tuple[float, float]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     import polars as pl
 
-    from pipelines import build_user_states, states, storage, train_kv_pool
-    from pipelines.data import load_ranker
+    from artifacts import states, storage
+    from artifacts.data import load_ranker
+    from pipelines import build_user_states, train_kv_pool
+    from pipelines.common.jobs import setup_logging
+    from pipelines.common.ranker_training import TrainConfig
     from pipelines.evaluate import eval_users
-    from pipelines.jobs import setup_logging
-    from pipelines.train_ranker import TrainConfig
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_sweep")
     p.add_argument("--dataset-uri", required=True)
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
             run=run,
             user_ids=users["user_id"].to_list() if a.sample_states else None,
         )
-        manifest, table = build_user_states.read_states(built["user_states"])
+        manifest, table = states.read_states(built["user_states"])
         model, _, _ = load_ranker(s["checkpoint"])
         order = users.join(pl.from_arrow(table), on="user_id", how="left")
         layout = states.Layout.of(model.cfg)

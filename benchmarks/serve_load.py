@@ -4,14 +4,15 @@ baseline that scores every candidate with its own full forward, same model, same
     python -m benchmarks.serve_load --manifest-uri out/user_states/ml-latest-small-ckv \\
         [--concurrency 1,8,32,64] [--seconds 20] [--candidates 100] [--teacher TEACHER]
 
-Starts a local Ray and the app (``services.app.build_app`` with ``baseline: true``), then for
+Starts a local Ray, the app (``services.app.build_app``) and beside it the baselines
+(``benchmarks.serve_baselines``), then for
 each concurrency c runs c clients that each send requests back to back for ``--seconds``: a
 random stored user and ``--candidates`` distinct random items, top 10. Reports candidate scores
-per second, p50/p95/p99 latency and errors, for ``/v1/rank`` (ours) and ``/v1/rank_full`` (the
-baseline), plus the request bytes with item ids against sending each candidate's vector. With
-``--teacher`` (a published teacher; needs vLLM, ``make vllm-env``) the same requests also go to
-``/v1/rank_teacher``: the full-text teacher served by vLLM with prefix caching, the baseline
-DuoLM measures its ranker against.
+per second, p50/p95/p99 latency and errors, for ``/v1/rank`` (ours) and
+``/baselines/v1/rank_full`` (the baseline), plus the request bytes with item ids against
+sending each candidate's vector. With ``--teacher`` (a published teacher; needs vLLM, ``make
+vllm-env``) the same requests also go to ``/baselines/v1/rank_teacher``: the full-text teacher
+served by vLLM with prefix caching, the baseline DuoLM measures its ranker against.
 Writes ``benchmarks/results/serve_load.json``. Client and server share this machine's cores.
 """
 
@@ -30,8 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from ray import serve
 
-    from pipelines import build_user_states, storage
+    from artifacts import states, storage
+    from benchmarks.serve_baselines import APP_NAME, ROUTE_PREFIX, build_baselines
     from services.app import build_app
+    from services.settings import ServeSettings
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_load")
     p.add_argument("--manifest-uri", required=True, help="a build_user_states output")
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     a = p.parse_args(argv)
-    manifest, table = build_user_states.read_states(a.manifest_uri)
+    manifest, table = states.read_states(a.manifest_uri)
     items = storage.read_parquet(
         storage.join(manifest["dataset_uri"], "items.parquet"), columns=["item_id"]
     )
@@ -74,13 +77,19 @@ def main(argv: list[str] | None = None) -> None:
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": a.port})
-    settings = {"manifest_uri": storage.absolute(a.manifest_uri), "baseline": True}
-    targets = [("mis", "/v1/rank"), ("full_forward_baseline", "/v1/rank_full")]
+    manifest_uri = storage.absolute(a.manifest_uri)
+    app = build_app({"manifest_uri": manifest_uri})
+    serve.run(app, name="kvrank", route_prefix="/")
+    baselines = build_baselines(
+        manifest_uri,
+        shards=ServeSettings(manifest_uri=manifest_uri).shards,
+        teacher_uri=storage.absolute(a.teacher) if a.teacher else None,
+        teacher_cpus=a.teacher_cpus,
+    )
+    serve.run(baselines, name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    targets = [("mis", "/v1/rank"), ("full_forward_baseline", f"{ROUTE_PREFIX}/v1/rank_full")]
     if a.teacher:
-        settings["teacher_uri"] = storage.absolute(a.teacher)
-        settings["teacher_num_cpus"] = a.teacher_cpus
-        targets.append(("teacher_vllm", "/v1/rank_teacher"))
-    serve.run(build_app(settings), name="kvrank", route_prefix="/")
+        targets.append(("teacher_vllm", f"{ROUTE_PREFIX}/v1/rank_teacher"))
     base = f"http://127.0.0.1:{a.port}"
     levels = [int(c) for c in a.concurrency.split(",")]
     results = {name: [] for name, _ in targets}

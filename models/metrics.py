@@ -23,6 +23,14 @@ def hit_at_k(ranks: Tensor, k: int = 10) -> Tensor:
     return (ranks < k).to(torch.float64)
 
 
+def summarize(ranks) -> dict[str, float]:
+    """Mean NDCG@10 and HR@10 of 0-based ranks (a tensor or a numpy array)."""
+    r = (
+        ranks if isinstance(ranks, Tensor) else torch.tensor(ranks)
+    )  # a copy: arrays may be read-only
+    return {"ndcg10": float(ndcg_at_k(r).mean()), "hr10": float(hit_at_k(r).mean())}
+
+
 @torch.no_grad()
 def full_catalog_ranks(
     model: Ranker,

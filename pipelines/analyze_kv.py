@@ -31,8 +31,9 @@ import time
 
 import numpy as np
 
-from pipelines import jobs, storage
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.errors import InputError
+from pipelines.common import jobs
 
 log = logging.getLogger("kvrank.analyze_kv")
 
@@ -154,8 +155,8 @@ def analyze(
 ) -> dict:
     import torch
 
-    from pipelines.data import load_checkpoint
-    from pipelines.train_kv_pool import collect_kv_inputs
+    from artifacts.data import load_checkpoint
+    from pipelines.common.kv_inputs import collect_kv_inputs
 
     t0 = time.perf_counter()
     dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)

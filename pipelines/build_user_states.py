@@ -6,7 +6,7 @@
 An actor pool of CollectiveKV rankers prefills each user's history (the most recent ``max_len``
 items the ranker was trained to read) and keeps only what serving needs: per layer and cached
 token, the K and V pool indices and the float16 user parts, plus the history's vids and feedback
-(``pipelines.states`` gives the row format). Output ``<out>/user_states/<run>/``:
+(``artifacts.states`` gives the row format). Output ``<out>/user_states/<run>/``:
 
 - ``states-NNNNN.parquet``: one row per user;
 - ``_SUCCESS.json``: the manifest tying dataset, item vectors, checkpoint and states together,
@@ -33,10 +33,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines import jobs, states, storage
-from pipelines.data import user_sequences
-from pipelines.ranker_actors import RankerActor, map_with_rankers
-from pipelines.sources import InputError
+from artifacts import states, storage
+from artifacts.data import user_sequences
+from artifacts.errors import InputError
+from pipelines.common import jobs
+from pipelines.common.ranker_actors import RankerActor, map_with_rankers
 
 log = logging.getLogger("kvrank.build_user_states")
 
@@ -218,15 +219,6 @@ def build(
         "user_states": target,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-
-
-def read_states(uri: str) -> tuple[dict, pa.Table]:
-    """(manifest, all state rows) of a published user_states folder."""
-    manifest = storage.read_marker(uri)
-    if manifest.get("kind") != "user_states":
-        raise InputError(f"{uri} is not a user_states folder (kind {manifest.get('kind')!r})")
-    parts = [storage.read_parquet(storage.join(uri, f)) for f in manifest["state_files"]]
-    return manifest, pa.concat_tables(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,16 +19,14 @@ The encoding runs as a Ray Data ``map_batches`` over an actor pool of ``ItemEnco
 actor loads the model once; on a cluster with GPUs each actor takes one GPU, otherwise a
 fraction of a CPU (``--cpus-per-actor``) so a pool fits on a small machine. With ``--engine
 vllm`` the actors are vLLM engines instead (``ray.data.llm``'s embedding task, one GPU or one
-CPU each; ``pipelines.vllm_engine``), which is how a decoder-LLM encoder runs on a GPU cluster;
-their vectors go to their own folder (``<name>-vllm-<hash>``).
+CPU each; ``pipelines.common.vllm_engine``), which is how a decoder-LLM encoder runs on a GPU
+cluster; their vectors go to their own folder (``<name>-vllm-<hash>``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
-import os
 import re
 import sys
 import time
@@ -37,25 +35,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from artifacts import storage
+from artifacts.data import blocks, encoder_tag, vectors_uri
+from artifacts.errors import InputError
 from models.config import EncoderConfig
-from pipelines import jobs, storage
-from pipelines.data import blocks, vectors_uri
-from pipelines.sources import InputError
+from pipelines.common import jobs
 
 log = logging.getLogger("kvrank.encode_items")
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
-
-
-def encoder_tag(cfg: EncoderConfig, engine: str = "hf") -> str:
-    """A folder name for the vectors of this encoder: model name (+ the engine, when not hf)
-    + hash of its config."""
-    from models.encoder import default_model_dir
-
-    name = os.path.basename(os.path.normpath(cfg.model_dir or default_model_dir()))
-    name = "minilm-l6-v2" if cfg.model_dir is None else re.sub(r"[^A-Za-z0-9._-]+", "-", name)
-    digest = hashlib.sha256(cfg.to_json().encode()).hexdigest()[:8]
-    return f"{name}-{digest}" if engine == "hf" else f"{name}-{engine}-{digest}"
 
 
 def clean_text(text: str | None) -> str:
@@ -161,8 +149,8 @@ def encode_items(
 ) -> dict:
     import ray
 
-    from pipelines import vllm_engine
-    from pipelines.ray_runtime import cluster_gpus, init_ray
+    from pipelines.common import vllm_engine
+    from pipelines.common.ray_runtime import cluster_gpus, init_ray
 
     t0 = time.perf_counter()
     vllm_engine.check_engine(engine)
@@ -332,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--engine",
         default="hf",
-        help="hf (PyTorch actors) or vllm (ray.data.llm's embedding task; pipelines.vllm_engine)",
+        help="hf (PyTorch actors) or vllm (ray.data.llm's embedding task)",
     )
     a = p.parse_args(argv)
 

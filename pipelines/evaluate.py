@@ -39,59 +39,17 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from pipelines import jobs, storage
-from pipelines.data import user_sequences
-from pipelines.ranker_actors import RankerActor, map_with_rankers
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.data import user_sequences
+from artifacts.errors import InputError
+from models.metrics import summarize
+from pipelines.common import jobs
+from pipelines.common.ranker_actors import map_with_rankers
+from pipelines.common.scoring import ScoreUsers
 
 log = logging.getLogger("kvrank.evaluate")
 
 LENGTH_BUCKETS = (0, 5, 10, 20, 50, 100, 200, 500, 10**9)
-
-
-class ScoreUsers(RankerActor):
-    """Ray Data callable class: ranks of each user's test item under one checkpoint."""
-
-    def __init__(
-        self, checkpoint: str, vectors_uri: str | None, threads: int, from_states: bool = False
-    ) -> None:
-        super().__init__(checkpoint, vectors_uri, threads)
-        self.n_items = int(self.marker["n_items"])
-        self.from_states = from_states
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
-
-        from models.batches import history_batch
-        from models.metrics import full_catalog_ranks, sampled_ranks
-
-        hist = [np.array(h, dtype=np.int64) for h in batch["input"]]  # writable copies for torch
-        hist_fb = [np.asarray(f) for f in batch["input_fb"]]
-        h = history_batch(hist, hist_fb, self.max_len)
-        if self.from_states:  # score from the stored compressed states, as serving does
-            h = self._stored_cache(batch, hist)
-        targets = torch.as_tensor(batch["test"].astype(np.int64))
-        full = full_catalog_ranks(
-            self.model, h, targets, [torch.as_tensor(x) for x in hist], self.n_items
-        )
-        negs = torch.as_tensor(np.stack(batch["negatives"]).astype(np.int64))
-        sampled = sampled_ranks(self.model, h, targets, negs)
-        return {
-            "user_id": batch["user_id"],
-            "full_rank": full.numpy(),
-            "sampled_rank": sampled.numpy(),
-        }
-
-    def _stored_cache(self, batch: dict[str, np.ndarray], inputs: list[np.ndarray]):
-        from pipelines import states
-
-        for uid, stored, inp in zip(batch["user_id"], batch["hist"], inputs, strict=True):
-            if not np.array_equal(np.asarray(stored), inp[-self.max_len :]):
-                raise InputError(
-                    f"user {uid}: the stored state's history is not this user's test input "
-                    "(history + validation item); were the states built from another dataset?"
-                )
-        return states.from_table(batch, states.Layout.of(self.model.cfg))
 
 
 def eval_users(dataset_uri: str, max_users: int | None, seed: int) -> pl.DataFrame:
@@ -134,12 +92,6 @@ def popular_ranks(
     return np.array(full), np.array(sampled)
 
 
-def summarize(ranks: np.ndarray) -> dict[str, float]:
-    r = ranks.astype(np.float64)
-    ndcg = np.where(r < 10, 1.0 / np.log2(r + 2.0), 0.0)
-    return {"ndcg10": float(ndcg.mean()), "hr10": float((r < 10).mean())}
-
-
 def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
     import matplotlib
 
@@ -154,11 +106,10 @@ def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4))
     present = sorted(set(bucket.tolist()))
     for m in models:
-        ranks = per_user[f"{m}_full_rank"].to_numpy().astype(float)
-        ndcg = np.where(ranks < 10, 1 / np.log2(ranks + 2), 0)
+        ranks = per_user[f"{m}_full_rank"].to_numpy()
         ax.plot(
             [labels[b] for b in present],
-            [ndcg[bucket == b].mean() for b in present],
+            [summarize(ranks[bucket == b])["ndcg10"] for b in present],
             marker="o",
             label=m,
         )
@@ -180,8 +131,8 @@ class TeacherRanks:
     def __init__(self, teacher: str, dataset_uri: str, threads: int, engine: str = "hf") -> None:
         import torch
 
-        from pipelines.data import item_titles
-        from pipelines.train_teacher import load_teacher
+        from artifacts.data import item_titles
+        from pipelines.common.teachers import load_teacher
 
         torch.set_num_threads(max(1, threads))
         with load_teacher(teacher, engine) as loaded:
@@ -189,7 +140,7 @@ class TeacherRanks:
         self.titles = item_titles(dataset_uri)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from pipelines.train_teacher import sampled_ranks
+        from pipelines.common.teachers import sampled_ranks
 
         ranks = sampled_ranks(
             self.teacher,
@@ -221,7 +172,7 @@ def evaluate(
 ) -> dict:
     import ray
 
-    from pipelines.train_teacher import teacher_for_engine
+    from pipelines.common.teachers import teacher_for_engine
 
     if teacher:
         teacher_for_engine(teacher, teacher_engine)  # fail here, not in every actor
@@ -230,7 +181,7 @@ def evaluate(
     dataset_uri = storage.absolute(dataset_uri)
     states_manifest, states_table = None, None
     if user_states:
-        from pipelines.build_user_states import read_states
+        from artifacts.states import read_states
 
         user_states = storage.absolute(user_states)
         states_manifest, states_table = read_states(user_states)
@@ -290,7 +241,7 @@ def evaluate(
         per_user = per_user.join(ranks, on="user_id", how="left")
     fusion = None
     if item_prior:
-        from pipelines.prior_fusion import prior_fusion
+        from pipelines.common.scoring import prior_fusion
 
         per_user, fusion = prior_fusion(
             per_user,
@@ -317,8 +268,8 @@ def evaluate(
     if fusion:
         metrics["ranker_prior"]["fusion"] = fusion
     if teacher:
-        from pipelines.ranker_actors import map_with_pool
-        from pipelines.ray_runtime import cluster_gpus
+        from pipelines.common.ranker_actors import map_with_pool
+        from pipelines.common.ray_runtime import cluster_gpus
 
         teacher = storage.absolute(teacher)
         log.info("scoring %d users with the teacher (%s), sampled only", users.height, teacher)
@@ -438,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--id-checkpoint", help="the item-id baseline's checkpoint")
     p.add_argument("--teacher", help="a published teacher (train_teacher): sampled metrics")
     p.add_argument(
-        "--teacher-engine", default="hf", help="hf or vllm (pipelines.vllm_engine) for --teacher"
+        "--teacher-engine",
+        default="hf",
+        help="hf or vllm (pipelines.common.vllm_engine) for --teacher",
     )
     p.add_argument(
         "--vectors-uri", help="item vectors (default: the ones the checkpoint was trained on)"

@@ -30,9 +30,12 @@ import sys
 import time
 
 import numpy as np
-import pyarrow as pa
 import torch
 
+from artifacts import storage
+from artifacts.data import user_sequences
+from artifacts.errors import InputError
+from artifacts.prior import PRIOR_FILE, prior_table
 from models.item_prior import (
     KINDS,
     ItemPrior,
@@ -44,13 +47,9 @@ from models.item_prior import (
     sparsify,
 )
 from models.metrics import hit_at_k, ndcg_at_k, ranks_from_scores
-from pipelines import jobs, storage
-from pipelines.data import user_sequences
-from pipelines.sources import InputError
+from pipelines.common import jobs
 
 log = logging.getLogger("kvrank.fit_item_prior")
-
-PRIOR_FILE = "prior.parquet"
 
 # the recencies each kind tries when none are given: a "next" fit solves once per pair, so it
 # tries few; an "ease" fit is solved once and read at every pair
@@ -134,16 +133,9 @@ def fit_item_prior(
             best = (nd, hr, prior)
     assert best is not None
     nd, hr, prior = best
-    table = pa.table(
-        {
-            "vid": pa.array(np.arange(n_items, dtype=np.int32)),
-            "neighbours": pa.array(list(prior.index.numpy()), type=pa.list_(pa.int32())),
-            "weights": pa.array(list(prior.weight.numpy()), type=pa.list_(pa.float32())),
-        }
-    )
     pub = storage.Publication(target)
     try:
-        pub.put_table(PRIOR_FILE, table)
+        pub.put_table(PRIOR_FILE, prior_table(prior))
         pub.publish(
             {
                 "kind": "item_prior",
@@ -199,22 +191,6 @@ def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int):
 
 def log_solve(kind: str, l2: float, since: float) -> None:
     log.info("%s, l2 %g: solved in %.1f s", kind, l2, time.perf_counter() - since)
-
-
-def read_prior(uri: str, n_items: int | None = None) -> tuple[ItemPrior, dict]:
-    """A published prior and its marker; ``n_items`` (the ranker's catalog) must match."""
-    uri = storage.absolute(uri)
-    marker = storage.read_marker(uri)
-    if marker.get("kind") != "item_prior":
-        raise InputError(f"{uri} is not an item prior (fit_item_prior publishes one)")
-    if n_items is not None and int(marker["n_items"]) != n_items:
-        raise InputError(f"{uri} was fitted on {marker['n_items']} items, not {n_items}")
-    t = storage.read_parquet(storage.join(uri, PRIOR_FILE))
-    index = torch.as_tensor(np.stack(t["neighbours"].to_numpy(zero_copy_only=False)))
-    weight = torch.as_tensor(np.stack(t["weights"].to_numpy(zero_copy_only=False)))
-    # a prior published before "next" fits existed is an "ease" one
-    cfg = PriorConfig(**({"kind": "ease"} | marker["config"]))
-    return ItemPrior(index, weight, cfg), marker
 
 
 def floats(text: str) -> list[float]:

@@ -12,7 +12,7 @@ points and per cut the positive and ``--negatives`` uniform negatives (``models.
 seeded generator per row, so a rerun draws the same examples; ``--max-windows`` labels a
 seeded sample of the windows when all of them would take too long). An actor pool of teachers scores
 every candidate (one prompt each) in batches: Hugging Face forwards (``--engine hf``, the
-default) or a vLLM engine per actor (``--engine vllm``, ``pipelines.vllm_engine``: the same
+default) or a vLLM engine per actor (``--engine vllm``, ``pipelines.common.vllm_engine``: the same
 logits, with a user's prompts sharing their cached history prefix). Written to
 ``<out>/teacher_labels/<dataset>/<teacher run>/labels.parquet``: user_id, hist and hist_fb (the
 window), cuts, candidates (cuts x (1 + negatives), row-major) and teacher_logits (the same
@@ -28,9 +28,10 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from pipelines import jobs, storage
-from pipelines.data import item_titles, training_windows, user_sequences
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.data import item_titles, training_windows, user_sequences
+from artifacts.errors import InputError
+from pipelines.common import jobs
 
 
 def labels_uri(out: str, dataset: str, teacher_run: str) -> str:
@@ -45,7 +46,7 @@ class TeacherLabeler:
     ) -> None:
         import torch
 
-        from pipelines.train_teacher import load_teacher
+        from pipelines.common.teachers import load_teacher
 
         torch.set_num_threads(max(1, threads))
         with load_teacher(teacher, engine) as loaded:  # weights in memory; a download may go
@@ -134,10 +135,10 @@ def label(
 ) -> dict:
     import ray
 
-    from pipelines.ranker_actors import map_with_pool
-    from pipelines.ray_runtime import cluster_gpus, init_ray
-    from pipelines.train_teacher import teacher_for_engine
-    from pipelines.vllm_engine import check_engine
+    from pipelines.common.ranker_actors import map_with_pool
+    from pipelines.common.ray_runtime import cluster_gpus, init_ray
+    from pipelines.common.teachers import teacher_for_engine
+    from pipelines.common.vllm_engine import check_engine
 
     check_engine(engine)  # fail here, not in every actor
 
@@ -238,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actors", type=int, default=0, help="teacher actors (0: CPUs - 1)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per teacher forward")
     p.add_argument(
-        "--engine", default="hf", help="hf (PyTorch forwards) or vllm (pipelines.vllm_engine)"
+        "--engine",
+        default="hf",
+        help="hf (PyTorch forwards) or vllm (pipelines.common.vllm_engine)",
     )
     a = p.parse_args(argv)
     return jobs.run(

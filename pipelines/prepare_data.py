@@ -19,7 +19,7 @@ The transform runs in polars (columnar, streaming collect), so memory follows th
 not Python objects per row; it runs the same in-process or under ``ray job submit``, and needs
 no Ray workers: on a single node, polars handles tens of millions of interactions in seconds.
 Nothing is written until every check has passed, and the output is published atomically
-(``pipelines.storage.Publication``), so a failed run never replaces a published dataset.
+(``artifacts.storage.Publication``), so a failed run never replaces a published dataset.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import polars as pl
 
-from pipelines import jobs, sources, storage
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.errors import InputError
+from pipelines.common import jobs, sources
 
 log = logging.getLogger("kvrank.prepare_data")
 

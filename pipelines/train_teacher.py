@@ -31,7 +31,6 @@ prompt per catalog item and user). Checkpoints, ``--resume``, restarts of failed
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -44,11 +43,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from artifacts import storage
+from artifacts.data import item_titles, training_windows, user_sequences
+from artifacts.errors import InputError
 from models.config import TEACHER_KINDS, TeacherConfig
-from pipelines import jobs, storage
-from pipelines.data import item_titles, training_windows, user_sequences
-from pipelines.sources import InputError
-from pipelines.training import (
+from models.metrics import summarize
+from pipelines.common import jobs
+from pipelines.common.teachers import sampled_ranks
+from pipelines.common.training import (
     BaseTrainConfig,
     add_config_args,
     all_sum,
@@ -62,7 +64,7 @@ from pipelines.training import (
     restored_state,
     resume_point,
 )
-from pipelines.validation import sample_val
+from pipelines.common.validation import sample_val
 
 log = logging.getLogger("kvrank.train_teacher")
 
@@ -95,24 +97,6 @@ def teacher_uri(out: str, run: str) -> str:
 
 
 # ----------------------------------------------------------------------------- worker side
-
-
-def sampled_ranks(teacher, hist, fb, targets, negatives, titles, batch_size: int) -> np.ndarray:
-    """Rank of each user's target among their sampled negatives (0 = first) by teacher score;
-    ties count against the target."""
-    from models.teacher import examples_for
-
-    ranks = []
-    for h, f, t, negs in zip(hist, fb, targets, negatives, strict=True):
-        row = [int(t), *[int(n) for n in negs]]
-        scores = teacher.score(examples_for(h, f, [len(h)], [row], titles), batch_size)
-        ranks.append(int((scores[1:] >= scores[0]).sum()))
-    return np.asarray(ranks, dtype=np.int64)
-
-
-def _ndcg_hr(ranks: np.ndarray) -> tuple[float, float]:
-    r = ranks.astype(np.float64)
-    return float(np.where(r < 10, 1 / np.log2(r + 2), 0).sum()), float((r < 10).sum())
 
 
 def train_loop(config: dict) -> None:
@@ -188,7 +172,8 @@ def train_loop(config: dict) -> None:
             titles,
             batch_size=64,
         )
-        nd, hr = _ndcg_hr(ranks)
+        got = summarize(ranks)
+        nd, hr = got["ndcg10"] * len(ranks), got["hr10"] * len(ranks)
         nd, hr, n, loss_sum, loss_n = all_sum([nd, hr, len(ranks), sum(losses), len(losses)], world)
         val_ndcg = nd / max(n, 1)
         best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
@@ -231,7 +216,7 @@ def train(
     """Train the teacher and publish its best epoch; returns the job summary."""
 
     from models.teacher import build_teacher
-    from pipelines.ray_runtime import init_ray
+    from pipelines.common.ray_runtime import init_ray
 
     t0 = time.perf_counter()
     dataset_uri, out = storage.absolute(dataset_uri), storage.absolute(out)
@@ -319,40 +304,6 @@ def train(
         "checkpoint": root,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-
-
-def teacher_for_engine(uri: str, engine: str) -> TeacherConfig:
-    """The published teacher's config, once ``engine`` is known to run it here (InputError
-    otherwise): vLLM serves causal-LM teachers only, and needs vLLM installed."""
-    from pipelines.vllm_engine import check_engine
-
-    cfg = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
-    if engine == "vllm" and cfg.kind != "causal":
-        raise InputError(
-            f"{uri} is a {cfg.kind} teacher; the vllm engine serves causal-LM teachers "
-            "(their candidates share the history prefix): use --engine hf"
-        )
-    check_engine(engine)
-    return cfg
-
-
-@contextlib.contextmanager
-def load_teacher(uri: str, engine: str = "hf", serving: bool = False):
-    """A published teacher (``<out>/teachers/<run>``) ready to score: the teacher of its kind
-    in eval mode (``engine`` hf) or a VllmTeacher (vllm, causal teachers only), both with
-    ``score(examples, batch_size)``; with ``serving``, vLLM's async engine instead
-    (``AsyncVllmTeacher``, awaitable ``score``). Whatever the engine needs is loaded inside the
-    context."""
-    from models.teacher import build_teacher
-    from pipelines.vllm_engine import AsyncVllmTeacher, VllmTeacher
-
-    cfg = teacher_for_engine(uri, engine)
-    with storage.local_folder(uri) as d:
-        cfg = dataclasses.replace(cfg, model_dir=d)
-        if engine == "hf":
-            yield build_teacher(cfg).eval()
-        else:
-            yield (AsyncVllmTeacher if serving else VllmTeacher)(d, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from pipelines.states import row_nbytes
+from artifacts.states import row_nbytes
 from services.settings import ServeSettings
 
 log = logging.getLogger("kvrank.serve")
@@ -84,6 +84,50 @@ class UserResponse(BaseModel):
     known_user: bool
     history_length: int
     state_bytes: int
+
+
+def bad_request(field: str, message: str) -> HTTPException:
+    return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": message}])
+
+
+class Catalog:
+    """The served catalog: item ids <-> vids (the dataset the manifest names), and the
+    response for a ranked list of vids."""
+
+    def __init__(self, ids: np.ndarray, vids: np.ndarray) -> None:
+        self.vid_of = dict(zip(ids.tolist(), vids.tolist(), strict=True))
+        self.item_of = np.empty(len(ids), dtype=np.int64)
+        self.item_of[vids] = ids
+
+    @classmethod
+    def load(cls, manifest_uri: str) -> "Catalog":
+        from artifacts import storage
+
+        manifest = storage.read_marker(manifest_uri)
+        items = storage.read_parquet(
+            storage.join(manifest["dataset_uri"], "items.parquet"), columns=["item_id", "vid"]
+        )
+        return cls(items.column("item_id").to_numpy(), items.column("vid").to_numpy())
+
+    def vids(self, field: str, item_ids: list[int]) -> list[int]:
+        unknown = [i for i in item_ids if i not in self.vid_of]
+        if unknown:
+            raise bad_request(field, f"unknown item id(s): {unknown[:10]}")
+        return [self.vid_of[i] for i in item_ids]
+
+    def response(
+        self, user_id: int, row: dict, known: bool, top_vids: list[int], scores: list[float]
+    ) -> RankResponse:
+        return RankResponse(
+            user_id=user_id,
+            known_user=known,
+            history_length=len(row["hist"]),
+            items=[
+                ScoredItem(item_id=int(self.item_of[v]), score=s)
+                for v, s in zip(top_vids, scores, strict=True)
+            ],
+            note=None if known else "unknown user: ranked from an empty history",
+        )
 
 
 # ----------------------------------------------------------------------------- deployments
@@ -136,53 +180,6 @@ class Ranker:
 
     def empty_state(self, user_id: int) -> dict:
         return self.engine.empty_state(user_id)
-
-
-@serve.deployment
-class BaselineRanker:
-    """Benchmarks only: the same model, every candidate scored by its own full forward."""
-
-    def __init__(self, settings: dict) -> None:
-        import torch
-
-        from services.engine import RankEngine
-
-        s = ServeSettings(**settings)
-        torch.set_num_threads(s.torch_threads)
-        self.engine = RankEngine(s.manifest_uri)
-
-    def rank(self, request: tuple[dict, list[int], int]):
-        row, cands, k = request
-        return self.engine.rank_full([row], [cands], [k])[0]
-
-
-@serve.deployment
-class TeacherRanker:
-    """Benchmarks only: the full-text teacher on vLLM's async engine, one prompt per candidate
-    (the history titles, then the candidate), a user's prompts sharing the cached history
-    prefix (``pipelines.vllm_engine.AsyncVllmTeacher``)."""
-
-    def __init__(self, settings: dict) -> None:
-        from pipelines import storage
-        from pipelines.data import item_titles
-        from pipelines.train_teacher import load_teacher
-
-        s = ServeSettings(**settings)
-        manifest = storage.read_marker(s.manifest_uri)
-        self.titles = item_titles(manifest["dataset_uri"])
-        with load_teacher(s.teacher_uri, "vllm", serving=True) as teacher:
-            self.teacher = teacher
-
-    async def rank(self, request: tuple[dict, list[int], int]):
-        from models.teacher import TeacherExample
-
-        row, cands, k = request
-        hist = [self.titles[v] for v in row["hist"]]
-        fb = [int(f) for f in row["hist_fb"]]
-        examples = [TeacherExample(hist, fb, self.titles[c]) for c in cands]
-        scores = await self.teacher.score(examples)
-        top = np.argsort(-scores, kind="stable")[:k]
-        return [cands[i] for i in top], [float(scores[i]) for i in top]
 
 
 @serve.deployment
@@ -246,33 +243,24 @@ async def limit_body(request: Request, call_next):
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, settings: dict, ranker, baseline, teacher, *stores) -> None:
-        from pipelines import storage
-
+    def __init__(self, settings: dict, ranker, *stores) -> None:
         self.s = ServeSettings(**settings)
-        manifest = storage.read_marker(self.s.manifest_uri)
-        items = storage.read_parquet(
-            storage.join(manifest["dataset_uri"], "items.parquet"), columns=["item_id", "vid"]
-        )
-        ids = items.column("item_id").to_numpy()
-        vids = items.column("vid").to_numpy()
-        self.vid_of = dict(zip(ids.tolist(), vids.tolist(), strict=True))
-        self.item_of = np.empty(len(ids), dtype=np.int64)
-        self.item_of[vids] = ids
-        self.ranker, self.baseline, self.teacher = ranker, baseline, teacher
+        self.catalog = Catalog.load(self.s.manifest_uri)
+        self.ranker = ranker
         self.stores = list(stores)
         self.counts = {"rank_requests": 0, "candidates": 0, "events": 0, "rejected": 0}
         self.started = time.time()
 
     def _bad(self, field: str, message: str) -> HTTPException:
         self.counts["rejected"] += 1
-        return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": message}])
+        return bad_request(field, message)
 
     def _vids(self, field: str, item_ids: list[int]) -> list[int]:
-        unknown = [i for i in item_ids if i not in self.vid_of]
-        if unknown:
-            raise self._bad(field, f"unknown item id(s): {unknown[:10]}")
-        return [self.vid_of[i] for i in item_ids]
+        try:
+            return self.catalog.vids(field, item_ids)
+        except HTTPException:
+            self.counts["rejected"] += 1
+            raise
 
     def _store(self, user_id: int):
         return self.stores[user_id % len(self.stores)]
@@ -283,23 +271,15 @@ class Ingress:
 
     @app.post("/v1/rank", response_model=RankResponse)
     async def rank(self, req: RankRequest) -> RankResponse:
-        return await self._rank(req, self.ranker)
+        self._check(req)
+        vids = self._vids("candidate_item_ids", req.candidate_item_ids)
+        row, known = await self._row(req.user_id)
+        top_vids, scores = await self.ranker.rank.remote((row, vids, req.k))
+        self.counts["rank_requests"] += 1
+        self.counts["candidates"] += len(vids)
+        return self.catalog.response(req.user_id, row, known, top_vids, scores)
 
-    @app.post("/v1/rank_full", response_model=RankResponse, include_in_schema=False)
-    async def rank_full(self, req: RankRequest) -> RankResponse:
-        """The no-KV-reuse baseline (deployed with ``baseline: true``, for benchmarks)."""
-        if self.baseline is None:
-            raise HTTPException(status_code=404, detail="the baseline ranker is not deployed")
-        return await self._rank(req, self.baseline)
-
-    @app.post("/v1/rank_teacher", response_model=RankResponse, include_in_schema=False)
-    async def rank_teacher(self, req: RankRequest) -> RankResponse:
-        """The full-text teacher on vLLM (deployed with ``teacher_uri``, for benchmarks)."""
-        if self.teacher is None:
-            raise HTTPException(status_code=404, detail="the teacher is not deployed")
-        return await self._rank(req, self.teacher)
-
-    async def _rank(self, req: RankRequest, ranker) -> RankResponse:
+    def _check(self, req: RankRequest) -> None:
         n = len(req.candidate_item_ids)
         if n > self.s.max_candidates:
             raise self._bad(
@@ -309,24 +289,13 @@ class Ingress:
             raise self._bad("candidate_item_ids", "candidate ids must be distinct")
         if req.k > self.s.max_k:
             raise self._bad("k", f"k must be at most {self.s.max_k}, got {req.k}")
-        vids = self._vids("candidate_item_ids", req.candidate_item_ids)
-        row = await self._store(req.user_id).get.remote(req.user_id)
-        known = row is not None
-        if not known:
-            row = await self.ranker.empty_state.remote(req.user_id)
-        top_vids, scores = await ranker.rank.remote((row, vids, req.k))
-        self.counts["rank_requests"] += 1
-        self.counts["candidates"] += n
-        return RankResponse(
-            user_id=req.user_id,
-            known_user=known,
-            history_length=len(row["hist"]),
-            items=[
-                ScoredItem(item_id=int(self.item_of[v]), score=s)
-                for v, s in zip(top_vids, scores, strict=True)
-            ],
-            note=None if known else "unknown user: ranked from an empty history",
-        )
+
+    async def _row(self, user_id: int) -> tuple[dict, bool]:
+        """The user's stored state row, or an empty one (and False) for an unknown user."""
+        row = await self._store(user_id).get.remote(user_id)
+        if row is not None:
+            return row, True
+        return await self.ranker.empty_state.remote(user_id), False
 
     @app.post("/v1/events", response_model=EventResponse)
     async def events(self, req: EventRequest) -> EventResponse:
@@ -383,26 +352,10 @@ def build_app(args: dict):
         ).bind(conf, i, ranker)
         for i in range(s.shards)
     ]
-    baseline = (
-        BaselineRanker.options(
-            max_ongoing_requests=s.ranker_max_ongoing_requests,
-            ray_actor_options={"num_cpus": s.ranker_num_cpus},
-        ).bind(conf)
-        if s.baseline
-        else None
-    )
-    teacher = (
-        TeacherRanker.options(
-            max_ongoing_requests=s.ranker_max_ongoing_requests,
-            ray_actor_options={"num_cpus": s.teacher_num_cpus, "num_gpus": s.teacher_num_gpus},
-        ).bind(conf)
-        if s.teacher_uri
-        else None
-    )
     return Ingress.options(
         max_ongoing_requests=s.ingress_max_ongoing_requests,
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
             "runtime_env": {"env_vars": {BODY_LIMIT_ENV: str(s.max_body_bytes)}},
         },
-    ).bind(conf, ranker, baseline, teacher, *stores)
+    ).bind(conf, ranker, *stores)

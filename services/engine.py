@@ -1,6 +1,6 @@
 """What a ranker replica computes, without Ray: rank candidates from stored states, extend them.
 
-A user's state travels as one row of ``pipelines.states`` (a dict: user_id, hist, hist_fb,
+A user's state travels as one row of ``artifacts.states`` (a dict: user_id, hist, hist_fb,
 length and per-layer index / user-part buffers): a few bytes per history item and layer, so
 any replica can take any user's state, expand it on its device and score - replicas keep
 nothing per user and scale freely.
@@ -13,11 +13,11 @@ import time
 import numpy as np
 import torch
 
+from artifacts import states, storage
 from models.batches import history_batch
 from models.inputs import CompressedCache, Event, History
-from pipelines import states, storage
 
-Row = dict  # one user's state row (pipelines.states format)
+Row = dict  # one user's state row (artifacts.states format)
 
 
 class RankEngine:
@@ -33,7 +33,7 @@ class RankEngine:
         item_prior_uri: str | None = None,
         item_prior_weight: float = 0.0,
     ) -> None:
-        from pipelines.data import load_ranker
+        from artifacts.data import load_ranker
 
         self.manifest = storage.read_marker(manifest_uri)
         if self.manifest.get("kind") != "user_states":
@@ -45,7 +45,7 @@ class RankEngine:
         self.model.to(self.device).eval()
         self.prior, self.prior_weight = None, item_prior_weight
         if item_prior_uri:
-            from pipelines.fit_item_prior import read_prior
+            from artifacts.prior import read_prior
 
             self.prior, _ = read_prior(item_prior_uri, int(ranker_marker["n_items"]))
         cfg = self.model.cfg
@@ -91,32 +91,6 @@ class RankEngine:
         for i, (c, k) in enumerate(zip(candidates, ks, strict=True)):
             top = torch.topk(scores[i, : len(c)], min(k, len(c)))
             out.append((cand[i, top.indices].tolist(), top.values.tolist()))
-        return out
-
-    @torch.no_grad()
-    def rank_full(
-        self, rows: list[Row], candidates: list[list[int]], ks: list[int], chunk: int = 64
-    ):
-        """The no-reuse baseline: every candidate gets its own full forward over the user's
-        history plus itself (the dense reference path), ``chunk`` sequences at a time. Same
-        model, same scores as ``rank`` up to float rounding; only the cost differs."""
-        out = []
-        for row, cands, k in zip(rows, candidates, ks, strict=True):
-            hist = np.asarray(row["hist"], dtype=np.int64)[-self.max_len :]
-            fb = np.asarray(row["hist_fb"], dtype=np.int64)[-self.max_len :]
-            h = history_batch([hist], [fb], self.max_len)
-            scores = []
-            for i in range(0, len(cands), chunk):
-                c = torch.as_tensor(cands[i : i + chunk], dtype=torch.long, device=self.device)
-                rep = History(
-                    h.vids.to(self.device).expand(len(c), -1),
-                    h.feedback.to(self.device).expand(len(c), -1),
-                    h.lengths.to(self.device).expand(len(c)),
-                )
-                scores.append(self.model.score_reference(rep, c[:, None])[:, 0].float().cpu())
-            s = torch.cat(scores)
-            top = torch.topk(s, min(k, len(cands)))
-            out.append(([cands[i] for i in top.indices.tolist()], top.values.tolist()))
         return out
 
     @torch.no_grad()

@@ -1,5 +1,5 @@
 """A closed-loop HTTP load generator for the Serve app: ``concurrency`` clients each send
-requests back to back for ``seconds``. Used by ``benchmarks.serve_load`` and ``services.demo``.
+requests back to back for ``seconds``. Used by ``benchmarks.serve_load`` and ``demo``.
 Plain asyncio + httpx; no Ray."""
 
 from __future__ import annotations

@@ -42,15 +42,6 @@ class ServeSettings:
     # router backs off at their limit and throughput collapses under load
     ingress_max_ongoing_requests: int = 512
     store_max_ongoing_requests: int = 256
-    # benchmarks only: also deploy a ranker that scores every candidate with its own full
-    # forward (no KV reuse) behind POST /v1/rank_full, to measure what MIS saves
-    baseline: bool = False
-    # benchmarks only: a published teacher (train_teacher) served by vLLM with prefix caching
-    # behind POST /v1/rank_teacher - the standard way a text reranker is served, which DuoLM's
-    # ranker is measured against (needs vLLM: pipelines.vllm_engine)
-    teacher_uri: str | None = None
-    teacher_num_cpus: float = 1.0
-    teacher_num_gpus: float = 0.0
     # the item-to-item prior (fit_item_prior) fused into every ranking: score = ranker +
     # item_prior_weight x prior; the weight is evaluate --item-prior's pick for this ranker
     item_prior_uri: str | None = None
@@ -102,7 +93,7 @@ class ServeSettings:
         values = {}
         for name, value in args.items():
             kind = type(fields[name].default) if name != "manifest_uri" else str
-            if name in ("store_uri", "teacher_uri", "item_prior_uri"):
+            if name in ("store_uri", "item_prior_uri"):
                 kind = str
             if kind is bool and isinstance(value, str):
                 value = {"true": True, "false": False}.get(value.lower(), value)
@@ -112,10 +103,10 @@ class ServeSettings:
                 values[name] = kind(value) if value is not None else None
             except (TypeError, ValueError) as e:
                 raise SettingsError(f"{name}: {value!r} is not a {kind.__name__}") from e
-        from pipelines import storage
+        from artifacts import storage
 
         # replicas do not share the caller's working directory: pin relative paths now
-        for name in ("manifest_uri", "store_uri", "teacher_uri", "item_prior_uri"):
+        for name in ("manifest_uri", "store_uri", "item_prior_uri"):
             if values.get(name):
                 values[name] = storage.absolute(values[name])
         return cls(**values)

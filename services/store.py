@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from pipelines import states, storage
+from artifacts import states, storage
 from services.engine import Row, append_token
 
 log = logging.getLogger("kvrank.store")

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from pipelines import sources
+from pipelines.common import sources
 
 # the slow tier: every test that starts a Ray (embedded or a cluster) or needs the tiny trained
 # chain; `make test-fast` runs the rest (`-m "not slow"`)
@@ -41,7 +41,7 @@ def ray_local(s3_endpoint):
     the S3 endpoint so that its worker processes inherit the AWS_* variables."""
     import ray
 
-    from pipelines.ray_runtime import start_embedded
+    from pipelines.common.ray_runtime import start_embedded
 
     start_embedded(num_cpus=2, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
     yield ray

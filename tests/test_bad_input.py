@@ -11,7 +11,8 @@ import sys
 import polars as pl
 import pytest
 
-from pipelines import prepare_data, storage
+from artifacts import storage
+from pipelines import prepare_data
 from pipelines.prepare_data import load_dataset
 from tests.conftest import free_port
 

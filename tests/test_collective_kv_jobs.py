@@ -13,18 +13,12 @@ import polars as pl
 import pytest
 import torch
 
+from artifacts import data, states, storage
 from models.collective_kv import state_bytes_per_token
 from models.config import CollectiveKVConfig
 from models.ranker import History, Ranker
-from pipelines import (
-    analyze_kv,
-    build_user_states,
-    data,
-    evaluate,
-    states,
-    storage,
-    train_kv_pool,
-)
+from pipelines import analyze_kv, build_user_states, evaluate, train_kv_pool
+from pipelines.common import kv_inputs
 from tests.test_ranker import tiny_ranker
 from tests.tiny import N_USERS, TINY_TRAIN, run_json
 
@@ -104,13 +98,13 @@ def test_router_use_and_collapse_detection():
 def test_the_pools_are_fitted_to_enough_users_for_the_token_budget():
     seqs = pl.DataFrame({"user_id": range(100), "hist": [[1, 2, 3]] * 50 + [list(range(80))] * 50})
     rng = np.random.default_rng
-    picked = train_kv_pool.sample_users(seqs, rng(0), users=0, max_tokens=200, max_len=50)
+    picked = kv_inputs.sample_users(seqs, rng(0), users=0, max_tokens=200, max_len=50)
     tokens = picked["hist"].list.len().clip(upper_bound=50) + 1  # 4 or 51 a user
     # the fewest users that reach the budget: all but the last are under it
     assert tokens.sum() >= 200 > tokens.sum() - tokens.max() and picked.height < 100
     assert picked["user_id"].is_sorted() and picked["user_id"].is_unique().all()
-    assert train_kv_pool.sample_users(seqs, rng(0), users=7, max_tokens=200, max_len=50).height == 7
-    everyone = train_kv_pool.sample_users(seqs, rng(0), users=0, max_tokens=10**6, max_len=50)
+    assert kv_inputs.sample_users(seqs, rng(0), users=7, max_tokens=200, max_len=50).height == 7
+    everyone = kv_inputs.sample_users(seqs, rng(0), users=0, max_tokens=10**6, max_len=50)
     assert everyone.height == 100
 
 
@@ -163,7 +157,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     )
     # two actors finish their batches in either order; one seed still collects the same tokens
     collected = [
-        train_kv_pool.collect_kv_inputs(base["checkpoint"], ds, users=0, max_tokens=100, actors=2)
+        kv_inputs.collect_kv_inputs(base["checkpoint"], ds, users=0, max_tokens=100, actors=2)
         for _ in range(2)
     ]
     (xs_a, user_a), (xs_b, user_b) = collected
@@ -174,10 +168,10 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     # what auto counts as the cached tokens there are is what a collection without a token cap
     # returns: every user's, or those of the seeded users --init-users samples
     for users in (0, 7):
-        _, everything = train_kv_pool.collect_kv_inputs(
+        _, everything = kv_inputs.collect_kv_inputs(
             base["checkpoint"], ds, users=users, max_tokens=10**9, actors=1
         )
-        counted = train_kv_pool.cached_tokens(ds, base["checkpoint"], users=users, seed=0)
+        counted = kv_inputs.cached_tokens(ds, base["checkpoint"], users=users, seed=0)
         assert counted == len(everything) and (users or counted == fit["cached_tokens"])
     assert len(np.unique(everything)) == 7
     model, marker = data.load_checkpoint(fit["checkpoint"])
@@ -207,7 +201,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     assert (built["users"], built["tokens"]) == (N_USERS, tokens)
     assert built["state_bytes"] == tokens * per_token
     assert built["ratio"] == pytest.approx(per_token / (2 * 2 * 32 * 2), abs=1e-5)
-    manifest, table = build_user_states.read_states(built["user_states"])
+    manifest, table = states.read_states(built["user_states"])
     assert manifest["checkpoint"] == fit["checkpoint"] and manifest["dataset_uri"] == ds
     assert table.num_rows == N_USERS
 

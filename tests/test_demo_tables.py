@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.demo import tables
+from demo import tables
 
 
 def stage(name: str, **figures) -> dict:

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from pipelines import sources
+from pipelines.common import sources
 
 
 @pytest.fixture()

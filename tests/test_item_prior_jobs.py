@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from artifacts import storage
+from artifacts.data import user_sequences
+from artifacts.prior import read_prior
 from models.item_prior import FUSION_WEIGHTS
 from models.metrics import ranks_from_scores
-from pipelines import evaluate, fit_item_prior, storage
-from pipelines.data import user_sequences
+from pipelines import evaluate, fit_item_prior
+from pipelines.common.scoring import ScoreUsers
 from tests.tiny import run_json
 
 GRID = ["--l2", "1,50", "--recent", "1,3", "--decay", "0.5,1", "--neighbours", "8"]
@@ -51,10 +54,10 @@ def test_the_prior_is_fitted_picked_on_validation_and_published(tiny, capsys):
         [v in np.argsort(-counts)[:10] for v in seqs["valid"].to_list()]
     )  # HR@10 of most-popular, history not even excluded
     assert s["val_hr10"] > pop_hits and s["val_ndcg10"] > 0.3
-    prior, m = fit_item_prior.read_prior(s["out"], s["items"])
+    prior, m = read_prior(s["out"], s["items"])
     assert prior.cfg.to_dict() == m["config"] and prior.index.shape == (s["items"], 8)
     with pytest.raises(fit_item_prior.InputError, match="fitted on 60 items, not 61"):
-        fit_item_prior.read_prior(s["out"], 61)
+        read_prior(s["out"], 61)
 
 
 def test_a_bad_prior_option_is_refused_before_anything_is_fitted(tiny, capsys):
@@ -93,17 +96,17 @@ def test_evaluate_fuses_the_prior_with_the_ranker_at_the_weight_validation_picks
     batch = {c: np.array(users[c].to_list(), dtype=object) for c in users.columns}
     batch["user_id"], batch["test"] = users["user_id"].to_numpy(), users["test"].to_numpy()
     fused = evaluate_prior_actor(base["checkpoint"], prior["out"])(batch)
-    ranker = evaluate.ScoreUsers(base["checkpoint"], None, 1)(batch)
+    ranker = ScoreUsers(base["checkpoint"], None, 1)(batch)
     np.testing.assert_array_equal(fused["fused_full_rank_0"], ranker["full_rank"])
     np.testing.assert_array_equal(fused["fused_sampled_rank_0"], ranker["sampled_rank"])
-    p, _ = fit_item_prior.read_prior(prior["out"])
+    p, _ = read_prior(prior["out"])
     inputs = [torch.as_tensor(np.asarray(x, dtype=np.int64)) for x in batch["input"]]
     expected = ranks_from_scores(p.scores(inputs), torch.tensor(batch["test"]), inputs)
     np.testing.assert_array_equal(fused["prior_full_rank"], expected.numpy())
 
 
 def evaluate_prior_actor(checkpoint: str, prior: str):
-    from pipelines.prior_fusion import PriorFusionRanks
+    from pipelines.common.scoring import PriorFusionRanks
 
     return PriorFusionRanks(checkpoint, None, 1, False, prior)
 
@@ -113,8 +116,8 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
 ):
     import polars as pl
 
-    from pipelines import build_user_states
-    from pipelines.prior_fusion import PriorFusionRanks
+    from artifacts import states
+    from pipelines.common.scoring import PriorFusionRanks
 
     ds, out, built = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["states"]
     prior, _, report = fused_evaluation(capsys, ds, out, ["--user-states", built["user_states"]])
@@ -126,7 +129,7 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
         "most_popular",
     }
     # the actor on the stored states: at weight 0 it ranks exactly as evaluate's states ranker
-    manifest, table = build_user_states.read_states(built["user_states"])
+    manifest, table = states.read_states(built["user_states"])
     users = evaluate.eval_users(ds, None, 0).join(pl.from_arrow(table), on="user_id")
     batch = {c: users[c].to_numpy() for c in ("user_id", "test")}
     batch |= {
@@ -134,5 +137,5 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
     }
     ck = manifest["checkpoint"]
     fused = PriorFusionRanks(ck, None, 1, True, prior["out"])(batch)
-    ranker = evaluate.ScoreUsers(ck, None, 1, True)(batch)
+    ranker = ScoreUsers(ck, None, 1, True)(batch)
     np.testing.assert_array_equal(fused["fused_full_rank_0"], ranker["full_rank"])

@@ -11,18 +11,11 @@ import polars as pl
 import pytest
 import torch
 
-from pipelines import (
-    data,
-    encode_items,
-    evaluate,
-    prepare_data,
-    storage,
-    train_ranker,
-    training,
-    validation,
-)
-from pipelines.data import item_table, training_windows
-from pipelines.sources import InputError
+from artifacts import data, storage
+from artifacts.data import item_table, training_windows
+from artifacts.errors import InputError
+from pipelines import encode_items, evaluate, prepare_data, train_ranker
+from pipelines.common import ranker_training, training, validation
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
 
 
@@ -129,7 +122,7 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     ]
     first = run_json(capsys, train_ranker.main, [*base, "--epochs", "2"])
     assert (first["epochs_run"], first["last_epoch"], first["workers"]) == (2, 1, 2)
-    root = train_ranker.checkpoint_uri("ckpt-out", "r")
+    root = ranker_training.checkpoint_uri("ckpt-out", "r")
     marker = storage.read_marker(root)
     assert marker["best_epoch"] in (0, 1)
     history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
@@ -257,13 +250,15 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
 
 def test_metrics_on_a_hand_made_case():
     from models.config import RankerConfig
-    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k, sampled_ranks
+    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k, sampled_ranks, summarize
     from models.ranker import History, Ranker
 
     ranks = torch.tensor([0, 1, 9, 10, 500])
     assert ndcg_at_k(ranks).tolist() == pytest.approx([1.0, 1 / np.log2(3), 1 / np.log2(11), 0, 0])
     assert hit_at_k(ranks).tolist() == [1, 1, 1, 0, 0]
-    assert evaluate.summarize(ranks.numpy())["hr10"] == pytest.approx(0.6)
+    assert summarize(ranks.numpy()) == pytest.approx(
+        {"ndcg10": float(ndcg_at_k(ranks).mean()), "hr10": 0.6}
+    )
 
     # a model whose score of item v is -v: item 5 is beaten by items 0..4, minus the excluded
     model = Ranker(
@@ -346,7 +341,7 @@ def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
     nd_served, _, _ = validation.worker_sums(model, val, n_items, 10, 0, 1, "served")
     assert nd_served == pytest.approx(float(ndcg_at_k(served).sum()))
     with pytest.raises(InputError, match="--val-score must be one of"):
-        train_ranker.TrainConfig(val_score="mis")
+        ranker_training.TrainConfig(val_score="mis")
 
 
 def test_whole_chain_on_s3(tiny, s3_bucket, ray_local, capsys):

@@ -11,7 +11,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from pipelines import prepare_data, sources
+from pipelines import prepare_data
+from pipelines.common import sources
 from pipelines.prepare_data import PrepareConfig, load_dataset, sample_negatives
 
 

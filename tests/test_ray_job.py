@@ -116,9 +116,9 @@ def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
     the Ray Data actor pools run on the cluster, and the stored states are what the evaluation
     reads. (The teacher jobs start their Ray and their trainer the same way; their own test,
     tests/test_teacher_jobs.py, runs them on the embedded Ray.)"""
+    from artifacts import data, states
     from models.collective_kv import state_bytes_per_token
     from models.config import CollectiveKVConfig
-    from pipelines import build_user_states, data
     from tests.tiny import (
         N_USERS,
         TINY_SHAPE,
@@ -169,7 +169,7 @@ def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
     per_token = state_bytes_per_token(ckv, 2, model.cfg.kv_width)
     assert per_token == 2 * ((2 + 2 * 2) + 2 * model.cfg.kv_width)  # V stored whole
     assert (built["users"], built["state_bytes"]) == (N_USERS, built["tokens"] * per_token)
-    manifest, _ = build_user_states.read_states(built["user_states"])
+    manifest, _ = states.read_states(built["user_states"])
     assert (
         manifest["share"] == "k"
         and [set(u) - {"layer"} for u in manifest["router_use"]]

@@ -10,7 +10,9 @@ import httpx
 import pytest
 import torch
 
-from pipelines import build_user_states, fit_item_prior, states, storage
+from artifacts import states, storage
+from artifacts.prior import read_prior
+from pipelines import fit_item_prior
 from tests.conftest import free_port
 
 PRIOR_WEIGHT = 0.5  # the served score: ranker + 0.5 x the item-to-item prior
@@ -53,12 +55,12 @@ def test_rank_matches_scoring_the_stored_state(served):
     from services.engine import RankEngine
 
     assert httpx.get(served["url"] + "/healthz").json() == {"status": "ok"}
-    manifest, table = build_user_states.read_states(served["states"])
+    manifest, table = states.read_states(served["states"])
     row = table.to_pylist()[3]
     engine = RankEngine(served["states"])
     items_table = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
     vid_of = dict(zip(*items_table.select(["item_id", "vid"]).to_pydict().values(), strict=True))
-    prior, _ = fit_item_prior.read_prior(served["prior"])
+    prior, _ = read_prior(served["prior"])
     user_prior = prior.scores([torch.as_tensor(row["hist"])])[0]
     item_of = {v: i for i, v in vid_of.items()}
     # two candidates the prior favours for this user, so that it moves the ranking
@@ -79,6 +81,40 @@ def test_rank_matches_scoring_the_stored_state(served):
     order = torch.argsort(want, descending=True)[:4]
     assert [x["item_id"] for x in body["items"]] == [items[i] for i in order]
     assert [x["score"] for x in body["items"]] == pytest.approx(want[order].tolist(), abs=1e-5)
+
+
+def test_the_full_forward_baseline_app_ranks_as_the_ranker_from_the_same_state(served):
+    """benchmarks.serve_baselines, beside the app: each candidate by its own full forward over
+    the user's stored history - the ranker's scores (no prior) at the cost MIS avoids."""
+    from ray import serve
+
+    from benchmarks.serve_baselines import APP_NAME, ROUTE_PREFIX, build_baselines
+    from services.engine import RankEngine
+
+    serve.run(build_baselines(served["states"], shards=2), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    try:
+        _, table = states.read_states(served["states"])
+        row = table.to_pylist()[2]
+        items = [5, 17, 23, 42, 8, 31]
+        body = {"user_id": row["user_id"], "candidate_item_ids": items, "k": 6}
+        r = post(served, f"{ROUTE_PREFIX}/v1/rank_full", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["known_user"] and r.json()["history_length"] == len(row["hist"])
+        engine = RankEngine(served["states"])
+        vid_of = engine_vids(served["states"])
+        ((top, scores),) = engine.rank([row], [[vid_of[i] for i in items]], [6])
+        item_of = {v: i for i, v in vid_of.items()}
+        assert [x["item_id"] for x in r.json()["items"]] == [item_of[v] for v in top]
+        assert [x["score"] for x in r.json()["items"]] == pytest.approx(scores, abs=1e-4)
+        assert post(served, f"{ROUTE_PREFIX}/v1/rank_teacher", body).status_code == 404
+    finally:
+        serve.delete(APP_NAME)
+
+
+def engine_vids(states_uri: str) -> dict[int, int]:
+    manifest = storage.read_marker(states_uri)
+    items = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
+    return dict(zip(*items.select(["item_id", "vid"]).to_pydict().values(), strict=True))
 
 
 def test_unknown_user_ranks_from_an_empty_history(served):

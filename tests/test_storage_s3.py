@@ -8,7 +8,8 @@ import os
 import polars as pl
 import s3fs
 
-from pipelines import prepare_data, storage
+from artifacts import storage
+from pipelines import prepare_data
 from pipelines.prepare_data import load_dataset
 
 

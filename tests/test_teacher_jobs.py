@@ -11,11 +11,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from artifacts import storage
+from artifacts.data import item_titles, user_sequences
+from artifacts.errors import InputError
 from models.batches import training_batch
 from models.ranker import distillation_loss
-from pipelines import label_teacher, storage, train_ranker, train_teacher
-from pipelines.data import item_titles, user_sequences
-from pipelines.sources import InputError
+from pipelines import label_teacher, train_ranker, train_teacher
+from pipelines.common import ranker_training, teachers
 from tests.tiny import TINY_SHAPE, TINY_TEACHER, run_json
 
 
@@ -110,7 +112,7 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     from models.teacher import examples_for
 
     row = table.row(0, named=True)
-    with train_teacher.load_teacher(root) as teacher:
+    with teachers.load_teacher(root) as teacher:
         again = teacher.score(
             examples_for(
                 row["hist"],
@@ -129,7 +131,7 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
         + ["--teacher-labels", labels["labels"], "--epochs", "1", *TINY_SHAPE],
     )
     assert distilled["distilled"] and distilled["windows"] == table.height
-    ckpt = train_ranker.checkpoint_uri(out, "d")
+    ckpt = ranker_training.checkpoint_uri(out, "d")
     assert storage.read_marker(ckpt)["teacher_labels"] == labels["labels"]
     metrics = json.loads(storage.read_bytes(storage.join(ckpt, "metrics.json")))
     assert metrics[0]["distill_loss"] > 0
@@ -154,7 +156,7 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     bad = ["--dataset-uri", ds, "--out", out, "--run", "x", "--item-input", "id"]
     assert train_ranker.main([*bad, "--teacher-labels", root]) == 2
     assert f"{root} is not a label_teacher output" in capsys.readouterr().err
-    assert not storage.exists(train_ranker.checkpoint_uri(out, "x"))
+    assert not storage.exists(ranker_training.checkpoint_uri(out, "x"))
 
 
 def test_cross_teacher_trains_labels_and_is_kept_off_vllm(tiny, ray_local, capsys):
@@ -188,7 +190,7 @@ def test_cross_teacher_trains_labels_and_is_kept_off_vllm(tiny, ray_local, capsy
     from models.teacher import CrossEncoderTeacher, examples_for
 
     row = table.row(0, named=True)
-    with train_teacher.load_teacher(root) as teacher:
+    with teachers.load_teacher(root) as teacher:
         assert isinstance(teacher, CrossEncoderTeacher)
         again = teacher.score(
             examples_for(
@@ -199,7 +201,7 @@ def test_cross_teacher_trains_labels_and_is_kept_off_vllm(tiny, ray_local, capsy
 
     # refused whether or not vLLM is installed here (without it, that is said first)
     with pytest.raises(InputError, match="is a cross teacher; the vllm engine serves causal-LM"):
-        train_teacher.teacher_for_engine(root, "vllm")
+        teachers.teacher_for_engine(root, "vllm")
     bad = ["--dataset-uri", ds, "--teacher", root, "--out", out, "--engine", "vllm"]
     assert label_teacher.main(bad) == 2
     assert "vllm" in capsys.readouterr().err

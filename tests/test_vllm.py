@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from pipelines import encode_items, label_teacher, storage, train_teacher
-from pipelines.data import item_titles
+from artifacts import storage
+from artifacts.data import item_titles
+from pipelines import encode_items, label_teacher, train_teacher
+from pipelines.common import teachers
 from tests.conftest import free_port
 from tests.tiny import TINY_TEACHER, run_json
 
@@ -78,26 +80,32 @@ def test_label_teacher_with_vllm_gives_the_hf_logits(teacher, capsys):
 def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, capsys):
     from ray import serve
 
+    from artifacts import states
+    from benchmarks.serve_baselines import APP_NAME, ROUTE_PREFIX, build_baselines
     from models.teacher import TeacherExample
-    from pipelines import build_user_states
     from services.app import build_app
 
     built = teacher["states"]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    settings = {
-        "manifest_uri": built["user_states"],
-        "teacher_uri": teacher["teacher"],
-        "teacher_num_cpus": 0.5,
-        "shards": 1,
-    }
+    settings = {"manifest_uri": built["user_states"], "shards": 1}
     try:
         serve.run(build_app(settings), name="kvrank", route_prefix="/")
-        _, states = build_user_states.read_states(built["user_states"])
-        row = states.to_pylist()[5]
+        baselines = build_baselines(
+            built["user_states"],
+            shards=1,
+            full=False,
+            teacher_uri=teacher["teacher"],
+            teacher_cpus=0.5,
+        )
+        serve.run(baselines, name=APP_NAME, route_prefix=ROUTE_PREFIX)
+        _, table = states.read_states(built["user_states"])
+        row = table.to_pylist()[5]
         items = [5, 17, 23, 42, 8, 31]
         body = {"user_id": row["user_id"], "candidate_item_ids": items, "k": 6}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/rank_teacher", json=body, timeout=120)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}{ROUTE_PREFIX}/v1/rank_teacher", json=body, timeout=120
+        )
         assert r.status_code == 200, r.text
         got = {x["item_id"]: x["score"] for x in r.json()["items"]}
     finally:
@@ -114,7 +122,7 @@ def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, caps
     )
     hist = [titles[v] for v in row["hist"]]
     examples = [TeacherExample(hist, row["hist_fb"], titles[vid_of[i]]) for i in items]
-    with train_teacher.load_teacher(teacher["teacher"]) as hf:
+    with teachers.load_teacher(teacher["teacher"]) as hf:
         want = hf.score(examples)
     assert_close(torch.tensor([got[i] for i in items]), want, atol=1e-3, rtol=0)
     scores = [x["score"] for x in r.json()["items"]]

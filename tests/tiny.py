@@ -86,12 +86,13 @@ def tiny_chain(ds: str, out: str, actors: int = 1) -> dict:
     URI)."""
     from models.config import CollectiveKVConfig
     from pipelines import build_user_states, train_kv_pool, train_ranker
+    from pipelines.common import ranker_training
 
     args = train_ranker.parse_args(
         ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1", *TINY_SHAPE]
     )
     rc, tc = train_ranker.configs_from_args(args, 5)
-    base = train_ranker.train(ds, None, out, "base", rc, tc)
+    base = ranker_training.train(ds, None, out, "base", rc, tc)
     fit = train_kv_pool.fit(
         ds,
         base["checkpoint"],

@@ -1,6 +1,6 @@
 """The whole chain in one command, on the embedded local Ray: ``make demo``.
 
-    python -m services.demo [--out out] [--dataset ml-latest-small] [--epochs 3]
+    python -m demo [--out out] [--dataset ml-latest-small] [--epochs 3]
         [--kv-epochs 1] [--load-seconds 10] [--load-concurrency 8]
 
 Stages, each the same job an operator submits with ``ray job submit`` (its command line is
@@ -61,7 +61,7 @@ def run_stage(name: str, main: Callable[[list[str]], int], module: str, argv: li
 
 
 def titles_of(dataset_uri: str) -> dict[int, str]:
-    from pipelines import storage
+    from artifacts import storage
 
     items = storage.read_parquet(storage.join(dataset_uri, "items.parquet"))
     col = "title" if "title" in items.column_names else "text"
@@ -77,12 +77,12 @@ def serve_stage(
     import numpy as np
     from ray import serve
 
-    from pipelines import build_user_states, storage
+    from artifacts import states, storage
     from services.app import build_app
     from services.load import closed_loop
 
     t0 = time.perf_counter()
-    manifest, table = build_user_states.read_states(states_uri)
+    manifest, table = states.read_states(states_uri)
     items = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
     item_of_vid = dict(zip(items["vid"].to_pylist(), items["item_id"].to_pylist(), strict=True))
     titles = titles_of(manifest["dataset_uri"])
@@ -208,20 +208,20 @@ def free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from artifacts import storage
     from pipelines import (
         analyze_kv,
         build_user_states,
         encode_items,
         evaluate,
         fit_item_prior,
-        jobs,
         prepare_data,
-        storage,
         train_kv_pool,
         train_ranker,
     )
+    from pipelines.common import jobs
 
-    p = argparse.ArgumentParser(prog="python -m services.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="out")
     p.add_argument("--dataset", default="ml-latest-small")
     p.add_argument("--data-dir", default=None)
@@ -301,7 +301,3 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(summary), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipelines.data import user_sequences
-from pipelines.training import all_sum
+from artifacts.data import user_sequences
+from pipelines.common.training import all_sum
 
 
 def worker_sums(

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pipelines import storage
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.errors import InputError
 
 log = logging.getLogger("kvrank.training")
 

@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from artifacts import storage
+from artifacts.errors import InputError
 from models.collective_kv import STATE_DTYPE, LayerState
 from models.config import CollectiveKVConfig, RankerConfig
 from models.inputs import CompressedCache
@@ -198,3 +200,12 @@ def state_nbytes(table: pa.Table) -> int:
         for c in table.column_names
         if is_state_column(c)
     )
+
+
+def read_states(uri: str) -> tuple[dict, pa.Table]:
+    """(manifest, all state rows) of a published user_states folder."""
+    manifest = storage.read_marker(uri)
+    if manifest.get("kind") != "user_states":
+        raise InputError(f"{uri} is not a user_states folder (kind {manifest.get('kind')!r})")
+    parts = [storage.read_parquet(storage.join(uri, f)) for f in manifest["state_files"]]
+    return manifest, pa.concat_tables(parts)

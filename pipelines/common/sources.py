@@ -27,7 +27,8 @@ from pathlib import Path
 
 import polars as pl
 
-from pipelines import storage
+from artifacts import storage
+from artifacts.errors import InputError
 
 BUILTIN = ("ml-latest-small", "amazon-videogames-2018")
 
@@ -39,10 +40,6 @@ ML_SMALL_SHA256 = {
     "tags.csv": "68eec00a0820c2faa8863a6df7032f13d5899a4462bce9a97213905297ff3d34",
     "links.csv": "028a4a1d17751ca9276e0e0718cfc22356350f224a996e1ec348c23274b9209d",
 }
-
-
-class InputError(ValueError):
-    """Bad input data; the message names the file, the column and a count of offending rows."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""The ranker fused with the item-to-item prior (``models.item_prior``), for ``pipelines.evaluate
---item-prior``: ranker score + weight x prior, the weight picked from ``FUSION_WEIGHTS`` on the
-validation split (history -> validation item) of the same users, then the test item ranked
-(history + validation item -> test item) as evaluate ranks the ranker. The sum needs no
+"""Scoring users for evaluation, as Ray Data actors: ``ScoreUsers`` ranks each user's test item
+under one checkpoint (from a prefill of the history, or from the stored states as serving
+does); ``PriorFusionRanks`` adds the item-to-item prior (``models.item_prior``), for
+``pipelines.evaluate --item-prior``: ranker score + weight x prior, the weight picked from
+``FUSION_WEIGHTS`` on the validation split (history -> validation item) of the same users,
+then the test item ranked (history + validation item -> test item) as evaluate ranks the
+ranker. The sum needs no
 statistic of the whole catalog, so a request's candidates would rank by it as they do here.
 
 The Serve application serves the same sum (``services.engine.RankEngine`` with
@@ -16,11 +19,56 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-# evaluate imports this module only when it runs, so the two never import each other at once
-from pipelines.evaluate import ScoreUsers, summarize
-from pipelines.ranker_actors import map_with_rankers
+from artifacts.errors import InputError
+from models.metrics import summarize
+from pipelines.common.ranker_actors import RankerActor, map_with_rankers
 
 log = logging.getLogger("kvrank.evaluate")
+
+
+class ScoreUsers(RankerActor):
+    """Ray Data callable class: ranks of each user's test item under one checkpoint."""
+
+    def __init__(
+        self, checkpoint: str, vectors_uri: str | None, threads: int, from_states: bool = False
+    ) -> None:
+        super().__init__(checkpoint, vectors_uri, threads)
+        self.n_items = int(self.marker["n_items"])
+        self.from_states = from_states
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        from models.batches import history_batch
+        from models.metrics import full_catalog_ranks, sampled_ranks
+
+        hist = [np.array(h, dtype=np.int64) for h in batch["input"]]  # writable copies for torch
+        hist_fb = [np.asarray(f) for f in batch["input_fb"]]
+        h = history_batch(hist, hist_fb, self.max_len)
+        if self.from_states:  # score from the stored compressed states, as serving does
+            h = self._stored_cache(batch, hist)
+        targets = torch.as_tensor(batch["test"].astype(np.int64))
+        full = full_catalog_ranks(
+            self.model, h, targets, [torch.as_tensor(x) for x in hist], self.n_items
+        )
+        negs = torch.as_tensor(np.stack(batch["negatives"]).astype(np.int64))
+        sampled = sampled_ranks(self.model, h, targets, negs)
+        return {
+            "user_id": batch["user_id"],
+            "full_rank": full.numpy(),
+            "sampled_rank": sampled.numpy(),
+        }
+
+    def _stored_cache(self, batch: dict[str, np.ndarray], inputs: list[np.ndarray]):
+        from artifacts import states
+
+        for uid, stored, inp in zip(batch["user_id"], batch["hist"], inputs, strict=True):
+            if not np.array_equal(np.asarray(stored), inp[-self.max_len :]):
+                raise InputError(
+                    f"user {uid}: the stored state's history is not this user's test input "
+                    "(history + validation item); were the states built from another dataset?"
+                )
+        return states.from_table(batch, states.Layout.of(self.model.cfg))
 
 
 class PriorFusionRanks(ScoreUsers):
@@ -43,7 +91,7 @@ class PriorFusionRanks(ScoreUsers):
         prior: str,
     ) -> None:
         super().__init__(checkpoint, vectors_uri, threads, from_states)
-        from pipelines.fit_item_prior import read_prior
+        from artifacts.prior import read_prior
 
         self.prior, _ = read_prior(prior, self.n_items)
 

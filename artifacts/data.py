@@ -6,15 +6,19 @@ No Ray here: the jobs wrap these readers in Ray Data where the work is distribut
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
+import re
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import torch
 
-from pipelines import storage
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.errors import InputError
+from models.config import EncoderConfig
 
 
 def read_dataset_table(dataset_uri: str, name: str) -> pl.DataFrame:
@@ -83,6 +87,17 @@ def training_windows(seqs: pl.DataFrame, max_len: int) -> pl.DataFrame:
         pl.col("hist").list.slice(pl.col("start"), length),
         pl.col("hist_fb").list.slice(pl.col("start"), length),
     )
+
+
+def encoder_tag(cfg: EncoderConfig, engine: str = "hf") -> str:
+    """A folder name for the vectors of this encoder: model name (+ the engine, when not hf)
+    + hash of its config."""
+    from models.encoder import default_model_dir
+
+    name = os.path.basename(os.path.normpath(cfg.model_dir or default_model_dir()))
+    name = "minilm-l6-v2" if cfg.model_dir is None else re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+    digest = hashlib.sha256(cfg.to_json().encode()).hexdigest()[:8]
+    return f"{name}-{digest}" if engine == "hf" else f"{name}-{engine}-{digest}"
 
 
 def vectors_uri(out: str, dataset: str, encoder_tag: str) -> str:

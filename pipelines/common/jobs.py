@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pipelines import storage
-from pipelines.sources import InputError
+from artifacts import storage
+from artifacts.errors import InputError
 
 EXPECTED_ERRORS = (InputError, storage.StorageError)
 

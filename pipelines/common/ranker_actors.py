@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from pipelines.data import blocks
+from artifacts.data import blocks
 
 
 class RankerActor:
@@ -14,7 +14,7 @@ class RankerActor:
     def __init__(self, checkpoint: str, vectors_uri: str | None, threads: int) -> None:
         import torch
 
-        from pipelines.data import load_ranker
+        from artifacts.data import load_ranker
 
         torch.set_num_threads(max(1, threads))
         self.model, self.marker, self.max_len = load_ranker(checkpoint, vectors_uri)
@@ -49,7 +49,7 @@ def map_with_pool(
     with ``args(threads)``; the table is pre-cut into blocks (see ``data.blocks``)."""
     import ray
 
-    from pipelines.ray_runtime import cpus_per_actor, init_ray
+    from pipelines.common.ray_runtime import cpus_per_actor, init_ray
 
     init_ray()
     cpus = 1.0 if gpu else cpus_per_actor(actors)

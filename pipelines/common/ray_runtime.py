@@ -16,7 +16,7 @@ import ray
 log = logging.getLogger("kvrank.ray")
 
 LOCAL_OBJECT_STORE = 512 * 1024 * 1024
-EMBEDDED_SETUP_HOOK = "pipelines.ray_runtime.embedded_worker_setup"  # run in each worker
+EMBEDDED_SETUP_HOOK = "pipelines.common.ray_runtime.embedded_worker_setup"  # run in each worker
 
 
 def init_ray() -> None:

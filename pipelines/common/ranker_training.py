@@ -1,0 +1,469 @@
+"""Training the personalized ranker with Ray Train, fed by Ray Data: the training config, the
+per-worker loop and the driver that runs it and publishes the best epoch (``train_ranker`` is
+its command line; ``train_kv_pool`` fine-tunes through it).
+
+``pipelines/train_ranker.py``'s docstring describes what one epoch is and what is published.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from artifacts import storage
+from artifacts.data import item_table, training_windows, user_sequences
+from artifacts.errors import InputError
+from models.config import RankerConfig
+from pipelines.common import jobs
+from pipelines.common.training import (
+    BaseTrainConfig,
+    add_config_args,
+    all_sum,
+    config_from_args,
+    epoch_shuffled,
+    fit,
+    open_file,
+    out_of_time,
+    progress,
+    report_epoch,
+    restored_state,
+    resume_point,
+    weight_average,
+)
+from pipelines.common.validation import load_val, validate
+
+log = logging.getLogger("kvrank.train_ranker")
+
+
+VAL_SCORES = ("served", "dot")
+TUNES = ("all", "kv")
+
+
+@dataclass(frozen=True)
+class TrainConfig(BaseTrainConfig):
+    """How to train; the model's shape is the RankerConfig beside it."""
+
+    # negatives ~ (count + 1) ** alpha with the logQ correction; 0 = uniform. On ml-latest-small
+    # at a few CPU-minutes of training, uniform gave validation NDCG@10 ~0.02 and alpha 0.75
+    # ~0.005: a text-only ranker must first learn popularity from text before the corrected
+    # loss pays off, so uniform is the default at this budget.
+    neg_alpha: float = 0.0
+    # weight of the user token's full-catalog softmax over every history position's next item
+    # (0: off; needs a ranker with a user token). On ml-latest-small it lifts validation
+    # NDCG@10 from ~0.02 (sampled negatives alone) to SASRec's level.
+    catalog_weight: float = 1.0
+    # distillation (with --teacher-labels): weight of KL(teacher || ranker) over each labelled
+    # cut's candidates, both softmaxed at this temperature (the term is scaled by T^2)
+    distill_weight: float = 1.0
+    distill_temperature: float = 1.0
+    # a fine-tune from a trained ranker (train_kv_pool): weight of KL(base || ranker) over each
+    # cut's candidates and over the user token's catalog softmax, where base is the trained
+    # ranker the fine-tune started from, frozen, on the same batch (at --distill-temperature).
+    # The compressed ranker then learns to score as the uncompressed one does, not only to
+    # fit the labels again (0: off; train_ranker alone has no base)
+    base_distill_weight: float = 0.0
+    # what a fine-tune trains: "all" the ranker's weights, or only the compressed cache's
+    # ("kv": CollectiveKV routers, pools and user projections, or the low-rank maps), every
+    # other weight frozen at the trained ranker's and run without dropout
+    tune: str = "all"
+    # how validation ranks the catalog: "served" (head + dot by MIS, what serving returns) or
+    # "dot" (the user token's dot product alone: one matrix product, so every user of a small
+    # dataset can be validated each epoch - on ml-latest-small 128 users by the served score
+    # picked epochs whose test NDCG@10 was 0.025-0.038, too noisy to choose from)
+    val_score: str = "served"
+    # validate, checkpoint and publish an exponential moving average of the weights, updated
+    # every optimizer step with this decay (0: the raw weights). On ml-latest-small the raw
+    # weights' validation NDCG@10 swung by more than its noise from epoch to epoch, so the
+    # best epoch was a lucky one; the average moves smoothly (docs/results.md)
+    ema_decay: float = 0.995
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.val_score not in VAL_SCORES:
+            raise InputError(f"--val-score must be one of {VAL_SCORES}, got {self.val_score!r}")
+        if self.distill_weight < 0 or self.distill_temperature <= 0:
+            raise InputError("--distill-weight must be >= 0 and --distill-temperature > 0")
+        if self.tune not in TUNES:
+            raise InputError(f"--tune must be one of {TUNES}, got {self.tune!r}")
+        if self.base_distill_weight < 0:
+            raise InputError(f"--base-distill-weight must be >= 0, got {self.base_distill_weight}")
+        if self.catalog_weight < 0:
+            raise InputError(f"--catalog-weight must be >= 0, got {self.catalog_weight}")
+        if not 0 <= self.ema_decay < 1:
+            raise InputError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
+
+
+def checkpoint_uri(out: str, run: str) -> str:
+    return storage.join(out, "checkpoints", run)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def train_loop(config: dict) -> None:
+    """Runs on every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    from artifacts.data import load_checkpoint
+    from models.batches import sampling_distribution, training_batch
+    from models.ranker import Ranker, distillation_loss, ranking_loss
+
+    jobs.setup_logging()  # this worker's progress lines
+    tc = TrainConfig(**config["train"])
+    rc = RankerConfig.from_dict(config["ranker"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(config["threads"])
+    torch.manual_seed(tc.seed)
+    n_items = config["n_items"]
+    model = Ranker(rc, n_items=n_items)
+    if rc.reads_vectors:
+        table, _ = item_table(config["vectors_uri"], n_items)
+        model.set_item_table(table)
+    state = restored_state(config)
+    start_epoch, best, bad, history = progress(state)
+    if state is not None:
+        model.load_state_dict(state["model"])
+    elif config.get("init_uri"):
+        init = torch.load(
+            open_file(*config["init_uri"].rsplit("/", 1)), map_location="cpu", weights_only=True
+        )
+        model.load_state_dict(init)
+    if tc.tune == "kv":  # only the compressed cache learns; the rest stays the base's
+        tuned = set(model.compressed_kv_parameters())
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in tuned)
+    model = ray.train.torch.prepare_model(model)
+    dev = next(model.parameters()).device
+    base = None
+    if tc.base_distill_weight > 0:  # the frozen ranker a fine-tune distils from
+        base, _ = load_checkpoint(config["base_uri"])
+        if base.cfg.reads_vectors:
+            base.set_item_table(table)
+        base = base.to(dev).requires_grad_(False)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=tc.lr, weight_decay=tc.weight_decay
+    )
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    average = weight_average(_unwrap(model), tc.ema_decay, state)
+    val = load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
+    start_val = None
+    if val and state is None and config.get("init_uri"):
+        # a fine-tune: how its starting weights validate before any step, so the summary shows
+        # what the fine-tune itself adds (or loses)
+        start_val, _, n = validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)
+        if rank == 0:
+            log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
+    q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
+    shard = ray.train.get_dataset_shard("train")
+    started = time.perf_counter()
+    for epoch in range(start_epoch, tc.epochs):
+        t0 = time.perf_counter()
+        # dropout only where weights learn the labels: with --tune kv the frozen layers run as
+        # they serve, so the cache's KL to the base measures its own error, not dropout noise
+        # (on amazon's a6, dropout alone put 0.19 of the fitted start's 0.37 between them)
+        model.train(tc.tune == "all")
+        rng = np.random.default_rng([tc.seed, epoch, rank])
+        losses, aux_losses, distill_losses, steps = [], [], [], 0
+        for batch in shard.iter_batches(
+            batch_size=tc.batch_size,
+            batch_format="numpy",
+            local_shuffle_buffer_size=4 * tc.batch_size,
+            local_shuffle_seed=tc.seed + epoch,
+        ):
+            labelled = "teacher_logits" in batch
+            tb = training_batch(
+                list(batch["hist"]),
+                list(batch["hist_fb"]),
+                rng,
+                n_items=n_items,
+                max_len=tc.max_len,
+                cuts=tc.cuts,
+                negatives=tc.negatives,
+                q=q,
+                given=(list(batch["cuts"]), list(batch["candidates"])) if labelled else None,
+            )
+            h = tb.history
+            h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
+            catalog = tc.catalog_weight > 0 and rc.user_token
+            next_vids = tb.next_vids.to(dev)
+            rows = next_vids >= 0 if catalog else False  # logits only where a next item is
+            out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+            scores = (out.scores - tb.log_q.to(dev)).view(-1, 1 + tc.negatives)
+            loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
+            if catalog:
+                loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
+                    out.catalog, next_vids[rows]
+                )
+            if labelled and tc.distill_weight > 0:
+                teacher = torch.as_tensor(np.stack(batch["teacher_logits"]), device=dev)
+                kl = distillation_loss(
+                    out.scores.view(-1, 1 + tc.negatives),
+                    teacher.view(-1, 1 + tc.negatives),
+                    tc.distill_temperature,
+                )
+                distill_losses.append(kl.item())
+                loss = loss + tc.distill_weight * kl
+            if base is not None:
+                with torch.no_grad():
+                    ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+                t = tc.distill_temperature
+                kl = distillation_loss(
+                    out.scores.view(-1, 1 + tc.negatives), ref.scores.view(-1, 1 + tc.negatives), t
+                )
+                if catalog:
+                    kl = kl + distillation_loss(out.catalog, ref.catalog, t)
+                distill_losses.append(kl.item())
+                loss = loss + tc.base_distill_weight * kl
+            opt.zero_grad(set_to_none=True)
+            (loss + out.aux_loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if average is not None:
+                average.update_parameters(_unwrap(model))
+            losses.append(loss.item())
+            aux_losses.append(out.aux_loss.detach().item())
+            steps += 1
+            if rank == 0 and steps % 200 == 0:  # progress within long epochs
+                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(losses)))
+            if steps == tc.max_steps:  # every worker stops at the same count (DDP stays paired)
+                break
+        train_seconds = time.perf_counter() - t0
+        validated = model if average is None else average.module
+        val_ndcg, val_hr, n = (
+            validate(validated, val, n_items, tc.max_len, rank, world, tc.val_score)
+            if val
+            else (0.0, 0.0, 0)
+        )
+        loss_sum, loss_n = all_sum([sum(losses), len(losses)], world)
+        best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
+        metrics = {
+            "epoch": epoch,
+            "loss": loss_sum / max(loss_n, 1),
+            "aux_loss": float(np.mean(aux_losses)) if aux_losses else 0.0,
+            "distill_loss": float(np.mean(distill_losses)) if distill_losses else 0.0,
+            "val_ndcg10": val_ndcg,
+            "val_hr10": val_hr,
+            "val_users": int(n),
+            "best_val_ndcg10": best,
+            "steps": steps,
+            "train_seconds": train_seconds,
+            "epoch_seconds": time.perf_counter() - t0,
+        }
+        if start_val is not None and epoch == 0:
+            metrics["start_val_ndcg10"] = start_val
+        history.append(metrics)
+        state = {
+            "model": _unwrap(model).state_dict(),
+            # what is validated and published when there is an average (else: "model")
+            "published": None if average is None else average.module.state_dict(),
+            "averaged_steps": 0 if average is None else int(average.n_averaged),
+            "optimizer": opt.state_dict(),
+            "epoch": epoch,
+            "best": best,
+            "bad": bad,
+            "history": history,
+        }
+        report_epoch(rank, state, metrics, {"ranker.json": rc.to_json()})
+        if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
+            break
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+def train(
+    dataset_uri: str,
+    vectors_uri: str | None,
+    out: str,
+    run: str,
+    rc: RankerConfig,
+    tc: TrainConfig,
+    resume: bool = False,
+    init_state: dict | None = None,
+    extra_meta: dict | None = None,
+    teacher_labels: str | None = None,
+    base_uri: str | None = None,
+) -> dict:
+    """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
+    ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
+    label_teacher folder) the epochs run over its labelled examples, with the distillation
+    term. ``base_uri``: the published ranker a fine-tune distils from
+    (``tc.base_distill_weight``)."""
+
+    from pipelines.common.ray_runtime import init_ray
+
+    t0 = time.perf_counter()
+    dataset_uri, out = storage.absolute(dataset_uri), storage.absolute(out)
+    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
+    if tc.val_score == "dot" and not rc.user_token:
+        raise InputError("--val-score dot needs a ranker with a user token")
+    if tc.tune == "kv" and not (rc.collective_kv or rc.kv_rank):
+        raise InputError("--tune kv needs a compressed cache (CollectiveKV or --kv-rank) to train")
+    if tc.base_distill_weight > 0 and not base_uri:
+        raise InputError(
+            "--base-distill-weight needs the trained ranker a fine-tune starts from: "
+            "train_kv_pool gives it, train_ranker alone has none"
+        )
+    marker = storage.read_marker(dataset_uri)
+    n_items = int(marker["items"])
+    if rc.reads_vectors:
+        if not vectors_uri:
+            raise InputError(f"--vectors-uri is required with --item-input {rc.item_input}")
+        vmarker = storage.read_marker(vectors_uri)
+        if int(vmarker["dim"]) != rc.item_dim:
+            rc = dataclasses.replace(rc, item_dim=int(vmarker["dim"]))
+    seqs = user_sequences(dataset_uri)
+    users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
+    # an epoch is every user's history in windows of max_len + 1: each item a target once
+    if teacher_labels:
+        labels, tc = _labelled_examples(storage.absolute(teacher_labels), dataset_uri, tc)
+        extra_meta = {**(extra_meta or {}), "teacher_labels": storage.absolute(teacher_labels)}
+    else:
+        labels = training_windows(users, tc.max_len)
+    train_rows = labels.sample(fraction=1.0, shuffle=True, seed=tc.seed)
+    if train_rows.height == 0:
+        raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
+    root = checkpoint_uri(out, run)
+    train_root = storage.join(root, "train")
+    resume_from = resume_point(train_root, run, resume)
+    init_uri = None
+    if init_state is not None and not resume:
+        init_uri = storage.join(train_root, "init", "model.pt")
+        buf = io.BytesIO()
+        torch.save(init_state, buf)
+        storage.write_bytes(init_uri, buf.getvalue())
+    init_ray()
+    ds = epoch_shuffled(train_rows.to_arrow(), tc.seed, train_root)
+    config = {
+        "train": dataclasses.asdict(tc),
+        "ranker": rc.to_dict(),
+        "n_items": n_items,
+        "vectors_uri": vectors_uri,
+        "dataset_uri": dataset_uri,
+        "resume_from": resume_from,
+        "init_uri": init_uri,
+        "base_uri": storage.absolute(base_uri) if base_uri else None,
+        "threads": max(1, (os.cpu_count() or 1) // tc.workers),
+        "item_counts": np.bincount(
+            np.concatenate(users["hist"].to_list()), minlength=n_items
+        ).tolist(),
+    }
+    log.info(
+        "training %s on %d users (%d windows), %d items, %d worker(s)",
+        run,
+        users.height,
+        train_rows.height,
+        n_items,
+        tc.workers,
+    )
+    checkpoints = fit(
+        train_loop,
+        config,
+        train_root=train_root,
+        datasets={"train": ds},
+        workers=tc.workers,
+        use_gpu=tc.use_gpu,
+        max_failures=tc.max_failures,
+    )
+    history = [metrics for _, metrics in checkpoints]
+    last = history[-1]
+    best_dir, best = max(checkpoints, key=lambda e: e[1]["val_ndcg10"])
+    state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
+    buf = io.BytesIO()
+    published = state.get("published")  # None: no average (or a checkpoint from before it)
+    torch.save(state["model"] if published is None else published, buf)
+    pub = storage.Publication(root)
+    summary = {
+        "job": "train_ranker",
+        "run": run,
+        "item_input": rc.item_input,
+        "users": users.height,
+        "windows": train_rows.height,
+        "distilled": bool(teacher_labels) and tc.distill_weight > 0,
+        "items": n_items,
+        "epochs_run": len(history),
+        "best_epoch": best["epoch"],
+        "val_ndcg10": round(best["val_ndcg10"], 4),
+        "val_hr10": round(best["val_hr10"], 4),
+        "last_epoch": last["epoch"],
+        "mean_epoch_seconds": round(float(np.mean([h["epoch_seconds"] for h in history])), 1),
+        "workers": tc.workers,
+        "checkpoint": root,
+    }
+    if "start_val_ndcg10" in history[0]:  # a fine-tune's starting weights, validated
+        summary["start_val_ndcg10"] = round(history[0]["start_val_ndcg10"], 4)
+    try:
+        pub.put_bytes("model.pt", buf.getvalue())
+        pub.put_bytes("ranker.json", rc.to_json().encode())
+        pub.put_bytes("train.json", json.dumps(dataclasses.asdict(tc), indent=2).encode())
+        pub.put_bytes("metrics.json", json.dumps(history, indent=2).encode())
+        pub.publish(
+            {
+                "kind": "ranker_checkpoint",
+                "dataset_uri": dataset_uri,
+                "vectors_uri": vectors_uri,
+                "best_epoch": best["epoch"],
+                "val_ndcg10": best["val_ndcg10"],
+                "source": best_dir,
+                "n_items": n_items,
+                **(extra_meta or {}),
+            }
+        )
+    except BaseException:
+        pub.discard()
+        raise
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    return summary
+
+
+def _labelled_examples(labels_uri: str, dataset_uri: str, tc: TrainConfig):
+    """The rows of a label_teacher folder, and ``tc`` with its cuts and negatives."""
+    import polars as pl
+
+    marker = storage.read_marker(labels_uri)
+    if marker.get("kind") != "teacher_labels":
+        raise InputError(f"{labels_uri} is not a label_teacher output")
+    if marker["dataset_uri"] != dataset_uri:
+        raise InputError(
+            f"{labels_uri} labels {marker['dataset_uri']}, not the dataset {dataset_uri}"
+        )
+    if marker["max_len"] > tc.max_len:
+        raise InputError(
+            f"{labels_uri} has windows of {marker['max_len']} + 1 items; --max-len is {tc.max_len}"
+        )
+    if (marker["cuts"], marker["negatives"]) != (tc.cuts, tc.negatives):
+        log.info(
+            "teacher labels: %d cuts x %d negatives per window (instead of %d x %d)",
+            marker["cuts"],
+            marker["negatives"],
+            tc.cuts,
+            tc.negatives,
+        )
+    tc = dataclasses.replace(tc, cuts=marker["cuts"], negatives=marker["negatives"])
+    table = storage.read_parquet(storage.join(labels_uri, "labels.parquet"))
+    return pl.from_arrow(table), tc
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """One option per TrainConfig field (--epochs, --lr, ...), shared with train_kv_pool."""
+    add_config_args(p, TrainConfig, "training")
+
+
+def train_config(a: argparse.Namespace) -> TrainConfig:
+    return config_from_args(a, TrainConfig)
