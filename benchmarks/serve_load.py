@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     a = p.parse_args(argv)
     manifest, table = states.read_states(a.manifest_uri)
-    items = storage.read_parquet(
-        storage.join(manifest["dataset_uri"], "items.parquet"), columns=["item_id"]
-    )
+    items = storage.read_table(manifest["dataset_uri"], "items.parquet", columns=["item_id"])
     item_ids = items.column("item_id").to_pylist()
     users = table.column("user_id").to_pylist()
     rng = random.Random(0)

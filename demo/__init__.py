@@ -63,7 +63,7 @@ def run_stage(name: str, main: Callable[[list[str]], int], module: str, argv: li
 def titles_of(dataset_uri: str) -> dict[int, str]:
     from artifacts import storage
 
-    items = storage.read_parquet(storage.join(dataset_uri, "items.parquet"))
+    items = storage.read_table(dataset_uri, "items.parquet")
     col = "title" if "title" in items.column_names else "text"
     return dict(zip(items["item_id"].to_pylist(), items[col].to_pylist(), strict=True))
 
@@ -83,7 +83,7 @@ def serve_stage(
 
     t0 = time.perf_counter()
     manifest, table = states.read_states(states_uri)
-    items = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
+    items = storage.read_table(manifest["dataset_uri"], "items.parquet")
     item_of_vid = dict(zip(items["vid"].to_pylist(), items["item_id"].to_pylist(), strict=True))
     titles = titles_of(manifest["dataset_uri"])
     serve.start(http_options={"host": "127.0.0.1", "port": port})

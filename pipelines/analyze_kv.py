@@ -159,7 +159,7 @@ def analyze(
     from pipelines.common.kv_inputs import collect_kv_inputs
 
     t0 = time.perf_counter()
-    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
+    dataset_uri, checkpoint = storage.pinned(dataset_uri), storage.pinned(checkpoint)
     model, marker = load_checkpoint(checkpoint)
     if rank <= 0 or rank * 2 > model.cfg.kv_width:
         raise InputError(f"--rank must be in 1..{model.cfg.kv_width // 2}, got {rank}")
@@ -200,7 +200,7 @@ def analyze(
         "kv_width": model.cfg.kv_width,
         "layers": layers,
     }
-    name = report or checkpoint.rstrip("/").rsplit("/", 1)[-1] + "-kv"
+    name = report or storage.name_of(checkpoint) + "-kv"
     target = storage.join(out, "reports", name)
     spectrum, sharing = plots(result)
     pub = storage.Publication(target)
@@ -221,7 +221,7 @@ def analyze(
             summary[f"{p}_principal_overlap"] = round(a["principal_overlap"] or 0.0, 4)
             summary[f"{p}_residual_overlap"] = round(a["residual_overlap"] or 0.0, 4)
     summary["random_overlap"] = round(rank / model.cfg.kv_width, 4)
-    summary["report"] = target
+    summary["report"] = pub.uri  # the version folder: the files to open
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     return summary
 

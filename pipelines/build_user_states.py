@@ -121,13 +121,11 @@ def build(
     from models.config import RankerConfig
 
     t0 = time.perf_counter()
-    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
-    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
+    dataset_uri, checkpoint = storage.pinned(dataset_uri), storage.pinned(checkpoint)
+    vectors_uri = storage.pinned(vectors_uri) if vectors_uri else None
     marker = storage.read_marker(dataset_uri)
     ckpt = storage.read_marker(checkpoint)
-    rc = RankerConfig.from_json(
-        storage.read_bytes(storage.join(checkpoint, "ranker.json")).decode()
-    )
+    rc = RankerConfig.from_json(storage.read_file(checkpoint, "ranker.json").decode())
     if rc.collective_kv is None:
         raise InputError(
             f"{checkpoint} has no CollectiveKV pools: fit them first with pipelines.train_kv_pool"
@@ -141,7 +139,7 @@ def build(
     users = state_inputs(dataset_uri, include_test)
     if user_ids is not None:
         users = users.filter(pl.col("user_id").is_in(list(user_ids)))
-    run = run or checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    run = run or storage.name_of(checkpoint)
     target = storage.join(out, "user_states", run)
     storage.check_writable(target)
     log.info("building states of %d users with %s", users.height, checkpoint)

@@ -82,10 +82,9 @@ class EncoderActor:
 def previous_vectors(target: str) -> pa.Table | None:
     """The published vectors of this encoder, if a complete earlier run exists."""
     try:
-        storage.read_marker(target)
+        return storage.read_table(target, "vectors.parquet")
     except storage.IncompleteError:
         return None
-    return storage.read_parquet(storage.join(target, "vectors.parquet"))
 
 
 def _keys(t: pa.Table) -> pa.ChunkedArray:
@@ -154,14 +153,14 @@ def encode_items(
 
     t0 = time.perf_counter()
     vllm_engine.check_engine(engine)
+    dataset_uri = storage.pinned(dataset_uri)
     marker = storage.read_marker(dataset_uri)
     if marker.get("kind") != "dataset":
         raise InputError(f"{dataset_uri} is not a prepared dataset")
     tag = encoder_tag(cfg, engine)
     target = vectors_uri(out, marker["name"], tag)
-    items = storage.read_parquet(
-        storage.join(dataset_uri, "items.parquet"),
-        columns=["item_id", "vid", "text", "content_hash"],
+    items = storage.read_table(
+        dataset_uri, "items.parquet", columns=["item_id", "vid", "text", "content_hash"]
     )
     previous = None if full else previous_vectors(target)
     to_encode, reused, errors, dropped = plan(items, previous, full, max_chars)

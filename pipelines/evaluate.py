@@ -178,19 +178,19 @@ def evaluate(
         teacher_for_engine(teacher, teacher_engine)  # fail here, not in every actor
 
     t0 = time.perf_counter()
-    dataset_uri = storage.absolute(dataset_uri)
+    dataset_uri = storage.pinned(dataset_uri)
     states_manifest, states_table = None, None
     if user_states:
         from artifacts.states import read_states
 
-        user_states = storage.absolute(user_states)
+        user_states = storage.pinned(user_states)
         states_manifest, states_table = read_states(user_states)
         if states_manifest["includes_test"]:
             raise InputError(
                 f"{user_states} includes each user's test item: build the states without "
                 "--include-test to evaluate them"
             )
-        if checkpoint and storage.absolute(checkpoint) != states_manifest["checkpoint"]:
+        if checkpoint and storage.pinned(checkpoint) != states_manifest["checkpoint"]:
             raise InputError(
                 f"{user_states} was built with {states_manifest['checkpoint']}, not {checkpoint}"
             )
@@ -198,9 +198,9 @@ def evaluate(
         vectors_uri = vectors_uri or states_manifest.get("vectors_uri")
     if not checkpoint:
         raise InputError("give --checkpoint, or --user-states (which names its checkpoint)")
-    checkpoint = storage.absolute(checkpoint)
-    id_checkpoint = storage.absolute(id_checkpoint) if id_checkpoint else None
-    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
+    checkpoint = storage.pinned(checkpoint)
+    id_checkpoint = storage.pinned(id_checkpoint) if id_checkpoint else None
+    vectors_uri = storage.pinned(vectors_uri) if vectors_uri else None
     marker = storage.read_marker(dataset_uri)
     ckpt_marker = storage.read_marker(checkpoint)
     n_items = int(marker["items"])
@@ -248,7 +248,7 @@ def evaluate(
             table,
             checkpoint,
             vectors_uri,
-            storage.absolute(item_prior),
+            storage.pinned(item_prior),
             actors,
             from_states=states_table is not None,
         )
@@ -271,7 +271,7 @@ def evaluate(
         from pipelines.common.ranker_actors import map_with_pool
         from pipelines.common.ray_runtime import cluster_gpus
 
-        teacher = storage.absolute(teacher)
+        teacher = storage.pinned(teacher)
         log.info("scoring %d users with the teacher (%s), sampled only", users.height, teacher)
         res = map_with_pool(
             users.select("user_id", "input", "input_fb", "test", "negatives").to_arrow(),
@@ -287,9 +287,7 @@ def evaluate(
         )
         metrics["teacher"] = {"sampled": summarize(per_user["teacher_sampled_rank"].to_numpy())}
     report = report or (
-        user_states.rstrip("/").rsplit("/", 1)[-1] + "-states"
-        if user_states
-        else checkpoint.rstrip("/").rsplit("/", 1)[-1]
+        storage.name_of(user_states) + "-states" if user_states else storage.name_of(checkpoint)
     )
     target = storage.join(out, "reports", report)
     summary = {
@@ -340,6 +338,7 @@ def evaluate(
     except BaseException:
         pub.discard()
         raise
+    summary["report"] = pub.uri  # the version folder: the files to open
     print(metrics_table(marker["name"], users.height, metrics), file=sys.stderr)
     if states_manifest is not None:
         m = states_manifest

@@ -90,7 +90,7 @@ def fit_item_prior(
     seed: int = 0,
 ) -> dict:
     t0 = time.perf_counter()
-    dataset_uri = storage.absolute(dataset_uri)
+    dataset_uri = storage.pinned(dataset_uri)
     marker = storage.read_marker(dataset_uri)
     if not kinds or any(k not in KINDS for k in kinds):
         raise InputError(f"prior kinds must be some of {', '.join(KINDS)}; got {list(kinds)}")

@@ -150,7 +150,8 @@ def label(
     if max_windows < 0:
         raise InputError(f"--max-windows must be >= 0 (0: every window), got {max_windows}")
     t0 = time.perf_counter()
-    dataset_uri, out, teacher = (storage.absolute(x) for x in (dataset_uri, out, teacher))
+    dataset_uri, teacher = storage.pinned(dataset_uri), storage.pinned(teacher)
+    out = storage.absolute(out)
     marker = storage.read_marker(dataset_uri)
     tmarker = storage.read_marker(teacher)
     if tmarker.get("kind") != "teacher_checkpoint":
@@ -185,7 +186,7 @@ def label(
         gpu=gpu,
     )
     table = pa.concat_tables(ray.get(res.to_arrow_refs()))
-    dest = labels_uri(out, marker["name"], teacher.rstrip("/").rsplit("/", 1)[-1])
+    dest = labels_uri(out, marker["name"], storage.name_of(teacher))
     pub = storage.Publication(dest)
     try:
         pub.put_table("labels.parquet", table)

@@ -236,7 +236,7 @@ def load_dataset(uri: str) -> dict[str, pl.DataFrame]:
     """Read a published dataset folder (refuses an incomplete one)."""
     storage.read_marker(uri)
     return {
-        name: pl.from_arrow(storage.read_parquet(storage.join(uri, f"{name}.parquet")))
+        name: pl.from_arrow(storage.read_table(uri, f"{name}.parquet"))
         for name in ("items", "interactions", "splits")
     }
 

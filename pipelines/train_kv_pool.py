@@ -149,7 +149,7 @@ def fit(
     from pipelines.common.ranker_training import train
 
     t0 = time.perf_counter()
-    dataset_uri, checkpoint = storage.absolute(dataset_uri), storage.absolute(checkpoint)
+    dataset_uri, checkpoint = storage.pinned(dataset_uri), storage.pinned(checkpoint)
     base, marker = load_checkpoint(checkpoint)
     if base.cfg.collective_kv is not None:
         raise InputError(f"{checkpoint} already has CollectiveKV: give an uncompressed ranker")

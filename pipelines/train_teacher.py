@@ -219,7 +219,7 @@ def train(
     from pipelines.common.ray_runtime import init_ray
 
     t0 = time.perf_counter()
-    dataset_uri, out = storage.absolute(dataset_uri), storage.absolute(out)
+    dataset_uri, out = storage.pinned(dataset_uri), storage.absolute(out)
     marker = storage.read_marker(dataset_uri)
     seqs = user_sequences(dataset_uri)
     users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")

@@ -104,8 +104,8 @@ class Catalog:
         from artifacts import storage
 
         manifest = storage.read_marker(manifest_uri)
-        items = storage.read_parquet(
-            storage.join(manifest["dataset_uri"], "items.parquet"), columns=["item_id", "vid"]
+        items = storage.read_table(
+            manifest["dataset_uri"], "items.parquet", columns=["item_id", "vid"]
         )
         return cls(items.column("item_id").to_numpy(), items.column("vid").to_numpy())
 
@@ -332,7 +332,7 @@ class Ingress:
 
 def build_app(args: dict):
     """The application for ``serve run`` / ``serve deploy``: ``args`` are ServeSettings fields."""
-    s = ServeSettings.from_args(args)
+    s = ServeSettings.from_args(args).pinned()
     conf = dataclasses.asdict(s)
     ranker = Ranker.options(
         autoscaling_config={

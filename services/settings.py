@@ -80,9 +80,24 @@ class ServeSettings:
     def resolved_store_uri(self) -> str:
         if self.store_uri:
             return self.store_uri
-        root, run = self.manifest_uri.rstrip("/").rsplit("/", 1)
+        from artifacts import storage
+
+        root, run = storage.root_of(self.manifest_uri).rstrip("/").rsplit("/", 1)
         parent = root.rsplit("/", 1)[0] if root.rstrip("/").endswith("user_states") else root
         return f"{parent}/serving/{run}"
+
+    def pinned(self) -> ServeSettings:
+        """These settings with the published inputs resolved to their current versions, so
+        that every replica (a restarted one too) serves the same versions while newer ones are
+        published."""
+        from artifacts import storage
+
+        prior = self.item_prior_uri
+        return dataclasses.replace(
+            self,
+            manifest_uri=storage.resolve(self.manifest_uri),
+            item_prior_uri=storage.resolve(prior) if prior else None,
+        )
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeSettings:

@@ -102,7 +102,7 @@ class ShardStore:
         else:
             parts = []
             for f in self.manifest["state_files"]:
-                t = storage.read_parquet(storage.join(manifest_uri, f))
+                t = storage.read_table(self.manifest["uri"], f)
                 mine = pa.array(t.column("user_id").to_numpy() % self.shards == self.shard)
                 parts.append(t.filter(mine))
             table = pa.concat_tables(parts) if parts else states.schema(self.layout).empty_table()

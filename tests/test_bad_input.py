@@ -168,59 +168,88 @@ def test_missing_bucket_is_named(tmp_path, capsys, s3_endpoint):
     assert "s3://kvrank-no-such-bucket/root" in line
 
 
+def tree(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder``, by relative path."""
+    return {
+        os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+        for d, _, names in os.walk(folder)
+        for n in names
+    }
+
+
 def test_failed_run_leaves_published_dataset_untouched(tmp_path, capsys):
     out = str(tmp_path / "out")
     items, log = write_shop(tmp_path)
     assert prepare_data.main(byo(items, log, out)) == 0
     capsys.readouterr()
     folder = prepare_data.dataset_uri(out, "shop")
-    before = {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+    before = tree(folder)
     # the same dataset again, now with an unknown item in the log: the run must fail...
     bad_log = pl.DataFrame({"user_id": [1, 1, 1], "item_id": [0, 1, 500], "timestamp": [1, 2, 3]})
     bad_log.write_csv(log)
     fail(capsys, *byo(items, log, out))
-    # ...and leave every published byte and no staging debris behind
-    after = {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
-    assert after == before
+    # ...and leave every published byte and no half-written version behind
+    assert tree(folder) == before
     assert load_dataset(folder)["interactions"].height == 12
 
 
-def test_crash_during_publish_is_never_read_as_complete(tmp_path, capsys, monkeypatch):
+def test_a_crash_at_any_step_of_publishing_leaves_the_previous_version_current(
+    tmp_path, capsys, monkeypatch
+):
     out = str(tmp_path / "out")
     items, log = write_shop(tmp_path)
     assert prepare_data.main(byo(items, log, out)) == 0
     folder = prepare_data.dataset_uri(out, "shop")
-    load_dataset(folder)
+    first = storage.resolve(folder)
+    want = load_dataset(folder)["interactions"]
+    # the next run publishes 13 interactions: three files, the version's marker, the pointer
+    pl.DataFrame(
+        {"user_id": [1] * 13, "item_id": [i % 4 for i in range(13)], "timestamp": range(13)}
+    ).write_csv(log)
+    real_write = storage.write_bytes
+    writes = 5
+    for crash_at in range(1, writes + 1):
+        calls = {"n": 0}
 
-    import fsspec.implementations.local as local
+        def crashing_write(uri, data, crash_at=crash_at, calls=calls):
+            calls["n"] += 1
+            if calls["n"] == crash_at:
+                raise storage.StorageError(f"simulated crash at write {crash_at}")
+            return real_write(uri, data)
 
-    calls = {"n": 0}
-    real_mv = local.LocalFileSystem.mv
+        monkeypatch.setattr(storage, "write_bytes", crashing_write)
+        with pytest.raises(storage.StorageError, match="simulated crash"):
+            prepare_data.prepare(
+                prepare_data.source_from_args(prepare_data.parse_args(byo(items, log, out))),
+                out,
+                prepare_data.PrepareConfig(negatives=3),
+            )
+        monkeypatch.setattr(storage, "write_bytes", real_write)
+        assert storage.resolve(folder) == first, crash_at
+        assert load_dataset(folder)["interactions"].equals(want), crash_at
+    assert calls["n"] == writes  # the last crash hit the pointer: every step was tried
+    # uninterrupted, the new version becomes current; a reader that resolved the old one (a
+    # running deployment) still reads it, unchanged
+    assert prepare_data.main(byo(items, log, out)) == 0
+    assert storage.resolve(folder) != first
+    assert load_dataset(folder)["interactions"].height == 13
+    assert load_dataset(first)["interactions"].equals(want)
 
-    def crash_on_second_move(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("simulated crash")
-        return real_mv(self, *a, **k)
 
-    monkeypatch.setattr(local.LocalFileSystem, "mv", crash_on_second_move)
-    with pytest.raises(storage.StorageError, match="simulated crash"):
-        prepare_data.prepare(
-            prepare_data.source_from_args(prepare_data.parse_args(byo(items, log, out))),
-            out,
-            prepare_data.PrepareConfig(negatives=3),
-        )
-    with pytest.raises(storage.IncompleteError, match="not a complete publication"):
-        load_dataset(folder)
-
-
-def test_file_changed_after_publishing_is_detected(tmp_path, capsys):
+@pytest.mark.parametrize("change", ["append", "same size"])
+def test_file_changed_after_publishing_is_detected(tmp_path, capsys, change):
     out = str(tmp_path / "out")
     items, log = write_shop(tmp_path)
     assert prepare_data.main(byo(items, log, out)) == 0
     folder = prepare_data.dataset_uri(out, "shop")
-    with open(os.path.join(folder, "items.parquet"), "ab") as f:
-        f.write(b"junk")
+    path = os.path.join(storage.resolve(folder), "items.parquet")
+    data = bytearray(open(path, "rb").read())
+    if change == "append":
+        data += b"junk"
+    else:  # the size the marker records, one byte different: only the sha256 tells
+        data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
     with pytest.raises(storage.IncompleteError, match="changed after publishing"):
         load_dataset(folder)
 

@@ -117,7 +117,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
         + ["--users", "10", "--rank", "2"],
     )
     assert (analysis["users"], analysis["random_overlap"]) == (10, 2 / 32)
-    report = json.loads(storage.read_bytes(storage.join(analysis["report"], "analysis.json")))
+    report = json.loads(storage.read_file(analysis["report"], "analysis.json"))
     for layer in report["layers"]:
         for kv in ("k", "v"):
             a = layer[kv]
@@ -128,7 +128,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
             assert a["random_overlap"] < a["principal_overlap"] <= 1 + 1e-9
             assert 0 <= a["residual_overlap"] <= 1 + 1e-9
     for png in ("spectrum.png", "sharing.png"):
-        assert storage.read_bytes(storage.join(analysis["report"], png))[:4] == b"\x89PNG"
+        assert storage.read_file(analysis["report"], png)[:4] == b"\x89PNG"
 
     fit = run_json(
         capsys,
@@ -143,7 +143,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     assert fit["init_tokens"] == 100 and fit["pool_size_auto"]
     assert fit["pool_size"] == train_kv_pool.AUTO_POOL_SIZES[0] == 16
     # 40 users in batches of 8 are 5 steps an epoch; --max-steps cut the fine-tune at 2
-    history = storage.read_json(storage.join(fit["checkpoint"], "metrics.json"))
+    history = json.loads(storage.read_file(fit["checkpoint"], "metrics.json"))
     assert [m["steps"] for m in history] == [2]
     # the fine-tune was distilled from the base: a compressed KV scores differently, so the
     # KL from the base's candidate and catalog softmaxes is above zero
@@ -175,7 +175,9 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
         assert counted == len(everything) and (users or counted == fit["cached_tokens"])
     assert len(np.unique(everything)) == 7
     model, marker = data.load_checkpoint(fit["checkpoint"])
-    assert model.cfg.collective_kv.user_dim == 2 and marker["base_checkpoint"] == base["checkpoint"]
+    # the fine-tune names the exact version of the ranker it started from
+    assert model.cfg.collective_kv.user_dim == 2
+    assert marker["base_checkpoint"] == storage.resolve(base["checkpoint"])
     # --tune kv: the fine-tune moved the cache's routers, pools and user projections from their
     # fitted start and left every other weight exactly the base's
     tuned = set(model.compressed_kv_parameters())
@@ -202,7 +204,9 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     assert built["state_bytes"] == tokens * per_token
     assert built["ratio"] == pytest.approx(per_token / (2 * 2 * 32 * 2), abs=1e-5)
     manifest, table = states.read_states(built["user_states"])
-    assert manifest["checkpoint"] == fit["checkpoint"] and manifest["dataset_uri"] == ds
+    # the manifest names the exact versions of its inputs
+    assert manifest["checkpoint"] == storage.resolve(fit["checkpoint"])
+    assert manifest["dataset_uri"] == storage.resolve(ds)
     assert table.num_rows == N_USERS
 
     from_states = run_json(
@@ -219,21 +223,19 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     )
 
     def ranks(report: str) -> pl.DataFrame:
-        t = storage.read_parquet(storage.join(report, "per_user.parquet"))
+        t = storage.read_table(report, "per_user.parquet")
         return pl.from_arrow(t).select("user_id", "ranker_full_rank", "ranker_sampled_rank")
 
     assert from_states["report"] != fresh["report"]
     assert from_states["ratio"] == built["ratio"]
-    states_report = json.loads(
-        storage.read_bytes(storage.join(from_states["report"], "metrics.json"))
-    )
+    states_report = json.loads(storage.read_file(from_states["report"], "metrics.json"))
     assert set(states_report["metrics"]) == {"ranker", "uncompressed", "most_popular"}
     assert (
         ranks(from_states["report"]).sort("user_id").equals(ranks(fresh["report"]).sort("user_id"))
     )
 
     # a checkpoint whose layer-0 K router sends every token to one entry: reported
-    state = torch.load(io.BytesIO(storage.read_bytes(storage.join(fit["checkpoint"], "model.pt"))))
+    state = torch.load(io.BytesIO(storage.read_file(fit["checkpoint"], "model.pt")))
     state["layers.0.self_attn.ckv.router_k.weight"].zero_()
     broken = storage.join(out, "checkpoints", "collapsed")
     pub = storage.Publication(broken)
@@ -241,7 +243,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     torch.save(state, buf)
     pub.put_bytes("model.pt", buf.getvalue())
     for name in ("ranker.json", "train.json"):
-        pub.put_bytes(name, storage.read_bytes(storage.join(fit["checkpoint"], name)))
+        pub.put_bytes(name, storage.read_file(fit["checkpoint"], name))
     meta = {k: v for k, v in marker.items() if k not in ("files", "published_at")}
     pub.publish(meta)
     collapsed = run_json(

@@ -31,7 +31,7 @@ def fused_evaluation(capsys, ds: str, out: str, ranker_args: list[str]):
         ["--dataset-uri", ds, "--out", out, *ranker_args]
         + ["--item-prior", prior["out"], "--actors", "1"],
     )
-    return prior, s, json.loads(storage.read_bytes(storage.join(s["report"], "metrics.json")))
+    return prior, s, json.loads(storage.read_file(s["report"], "metrics.json"))
 
 
 def test_the_prior_is_fitted_picked_on_validation_and_published(tiny, capsys):

@@ -51,7 +51,7 @@ def test_encoding_is_incremental(tiny, ray_local, capsys):
     ]
     first = run_json(capsys, encode_items.main, args)
     assert (first["encoded"], first["reused"], first["dropped"], first["errors"]) == (60, 0, 0, 0)
-    old = storage.read_parquet(storage.join(first["out"], "vectors.parquet")).to_pandas()
+    old = storage.read_table(first["out"], "vectors.parquet").to_pandas()
     old_vec = {r.item_id: np.asarray(r.vector) for r in old.itertuples()}
 
     # the catalog changes: 2 texts edited, item 55 removed, items 60..62 new - one of them
@@ -71,12 +71,12 @@ def test_encoding_is_incremental(tiny, ray_local, capsys):
         1,
         2,
     )
-    errors = storage.read_parquet(storage.join(second["out"], "errors.parquet")).to_pylist()
+    errors = storage.read_table(second["out"], "errors.parquet").to_pylist()
     assert sorted((e["item_id"], e["reason"]) for e in errors) == [
         (60, "empty text after cleaning"),
         (61, "text longer than 60 characters"),
     ]
-    new = storage.read_parquet(storage.join(second["out"], "vectors.parquet")).to_pandas()
+    new = storage.read_table(second["out"], "vectors.parquet").to_pandas()
     items = prepare_data.load_dataset(tiny["dataset"])["items"]
     vid_of = dict(zip(items["item_id"].to_list(), items["vid"].to_list(), strict=True))
     for r in new.itertuples():
@@ -125,7 +125,7 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     root = ranker_training.checkpoint_uri("ckpt-out", "r")
     marker = storage.read_marker(root)
     assert marker["best_epoch"] in (0, 1)
-    history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
+    history = json.loads(storage.read_file(root, "metrics.json"))
     assert [h["epoch"] for h in history] == [0, 1]
     assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
     assert len(training.list_checkpoints(storage.join(root, "train"))) == 2
@@ -133,14 +133,14 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     capsys.readouterr()
     assert train_ranker.main([*base, "--epochs", "2"]) == 2
     assert "pass --resume to continue it" in capsys.readouterr().err
-    assert json.loads(storage.read_bytes(storage.join(root, "metrics.json"))) == history
+    assert json.loads(storage.read_file(root, "metrics.json")) == history
     # distilling from a base needs a fine-tune's base: train_ranker alone has none
     assert train_ranker.main([*base, "--resume", "--base-distill-weight", "1"]) == 2
     assert "train_kv_pool gives it" in capsys.readouterr().err
 
     resumed = run_json(capsys, train_ranker.main, [*base, "--epochs", "3", "--resume"])
     assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
-    history2 = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
+    history2 = json.loads(storage.read_file(root, "metrics.json"))
     assert history2[:2] == history  # the first two epochs are carried over, not redone
     model, marker = data.load_checkpoint(root)
     assert model.cfg.d_model == 32
@@ -373,7 +373,7 @@ def test_whole_chain_on_s3(tiny, s3_bucket, ray_local, capsys):
         ["--dataset-uri", ds, "--checkpoint", tr["checkpoint"], "--out", out, "--actors", "1"],
     )
     assert ev["users"] == N_USERS and ev["report"].startswith("s3://")
-    report = json.loads(storage.read_bytes(storage.join(ev["report"], "metrics.json")))
+    report = json.loads(storage.read_file(ev["report"], "metrics.json"))
     assert set(report["metrics"]) == {"ranker", "most_popular"}
-    png = storage.read_bytes(storage.join(ev["report"], "ndcg_by_history_length.png"))
+    png = storage.read_file(ev["report"], "ndcg_by_history_length.png")
     assert png[:4] == b"\x89PNG"

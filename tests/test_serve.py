@@ -58,7 +58,7 @@ def test_rank_matches_scoring_the_stored_state(served):
     manifest, table = states.read_states(served["states"])
     row = table.to_pylist()[3]
     engine = RankEngine(served["states"])
-    items_table = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
+    items_table = storage.read_table(manifest["dataset_uri"], "items.parquet")
     vid_of = dict(zip(*items_table.select(["item_id", "vid"]).to_pydict().values(), strict=True))
     prior, _ = read_prior(served["prior"])
     user_prior = prior.scores([torch.as_tensor(row["hist"])])[0]
@@ -113,7 +113,7 @@ def test_the_full_forward_baseline_app_ranks_as_the_ranker_from_the_same_state(s
 
 def engine_vids(states_uri: str) -> dict[int, int]:
     manifest = storage.read_marker(states_uri)
-    items = storage.read_parquet(storage.join(manifest["dataset_uri"], "items.parquet"))
+    items = storage.read_table(manifest["dataset_uri"], "items.parquet")
     return dict(zip(*items.select(["item_id", "vid"]).to_pydict().values(), strict=True))
 
 

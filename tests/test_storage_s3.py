@@ -40,11 +40,13 @@ def test_prepare_reads_and_writes_s3(tmp_path, data_dir, s3_bucket, capsys, ray_
     )
     for name in ("items", "interactions", "splits"):
         assert remote[name].equals(local[name]), name
-    # no staging folder or probe object is left in the bucket
+    # one sealed version and the pointer to it; no probe object is left in the bucket
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     names = fs.ls(summary["out"].removeprefix("s3://"))
-    assert sorted(os.path.basename(n) for n in names) == [
+    assert sorted(os.path.basename(n) for n in names) == ["_SUCCESS.json", "_v"]
+    version = storage.resolve(summary["out"])
+    assert sorted(os.path.basename(n) for n in fs.ls(version.removeprefix("s3://"))) == [
         "_SUCCESS.json",
         "interactions.parquet",
         "items.parquet",
@@ -53,7 +55,7 @@ def test_prepare_reads_and_writes_s3(tmp_path, data_dir, s3_bucket, capsys, ray_
     assert not [n for n in fs.ls(out.removeprefix("s3://")) if ".kvrank-probe" in n]
 
     # Ray Data reads the published table straight from S3
-    ds = ray_local.data.read_parquet(f"{summary['out']}/interactions.parquet")
+    ds = ray_local.data.read_parquet(f"{version}/interactions.parquet")
     assert ds.count() == 100_836
 
 

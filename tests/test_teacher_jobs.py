@@ -89,7 +89,7 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     # a Hugging Face directory: config, weights and tokenizer, plus the prompt settings
     assert {"config.json", "teacher.json", "tokenizer.json"} <= set(marker["files"])
     assert any(name.endswith(".safetensors") for name in marker["files"])
-    history = json.loads(storage.read_bytes(storage.join(root, "metrics.json")))
+    history = json.loads(storage.read_file(root, "metrics.json"))
     assert [h["epoch"] for h in history] == [0, 1] and history[0]["val_users"] == 8
 
     labels = run_json(
@@ -98,9 +98,9 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
         ["--dataset-uri", ds, "--teacher", root, "--out", out, "--cuts", "2"]
         + ["--negatives", "3", "--max-len", "10", "--actors", "1"],
     )
-    table = pl.from_arrow(
-        storage.read_parquet(storage.join(labels["labels"], "labels.parquet"))
-    ).sort("user_id", maintain_order=True)
+    table = pl.from_arrow(storage.read_table(labels["labels"], "labels.parquet")).sort(
+        "user_id", maintain_order=True
+    )
     seqs = user_sequences(ds)
     assert labels["rows"] == table.height == seqs.height  # 7-item histories: one window each
     assert labels["prompts"] == table.height * 8
@@ -132,8 +132,8 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     )
     assert distilled["distilled"] and distilled["windows"] == table.height
     ckpt = ranker_training.checkpoint_uri(out, "d")
-    assert storage.read_marker(ckpt)["teacher_labels"] == labels["labels"]
-    metrics = json.loads(storage.read_bytes(storage.join(ckpt, "metrics.json")))
+    assert storage.read_marker(ckpt)["teacher_labels"] == storage.resolve(labels["labels"])
+    metrics = json.loads(storage.read_file(ckpt, "metrics.json"))
     assert metrics[0]["distill_loss"] > 0
 
     # the report puts the teacher beside the ranker, on the sampled protocol only
@@ -147,7 +147,7 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     )
     assert 0 <= ev["teacher_sampled_ndcg10"] <= ev["teacher_sampled_hr10"] <= 1
     assert "teacher_full_ndcg10" not in ev
-    per_user = pl.from_arrow(storage.read_parquet(storage.join(ev["report"], "per_user.parquet")))
+    per_user = pl.from_arrow(storage.read_table(ev["report"], "per_user.parquet"))
     ranks = per_user["teacher_sampled_rank"].to_numpy()
     assert len(ranks) == seqs.height and ranks.min() >= 0 and ranks.max() <= 10  # 10 negatives
 
@@ -155,7 +155,7 @@ def test_teacher_train_label_and_distil(tiny, ray_local, capsys):
     capsys.readouterr()
     bad = ["--dataset-uri", ds, "--out", out, "--run", "x", "--item-input", "id"]
     assert train_ranker.main([*bad, "--teacher-labels", root]) == 2
-    assert f"{root} is not a label_teacher output" in capsys.readouterr().err
+    assert f"{storage.resolve(root)} is not a label_teacher output" in capsys.readouterr().err
     assert not storage.exists(ranker_training.checkpoint_uri(out, "x"))
 
 
@@ -173,10 +173,10 @@ def test_cross_teacher_trains_labels_and_is_kept_off_vllm(tiny, ray_local, capsy
     )
     assert summary["kind"] == "cross" and summary["run"].endswith("-cross-teacher")
     root = summary["checkpoint"]
-    config = json.loads(storage.read_bytes(storage.join(root, "config.json")))
+    config = json.loads(storage.read_file(root, "config.json"))
     assert config["architectures"] == ["BertForSequenceClassification"]
     assert len(config["id2label"]) == 1  # one logit: the score
-    prompt = json.loads(storage.read_bytes(storage.join(root, "teacher.json")))
+    prompt = json.loads(storage.read_file(root, "teacher.json"))
     assert (prompt["kind"], prompt["max_length"], prompt["model_dir"]) == ("cross", 48, None)
 
     labels = run_json(
@@ -185,7 +185,7 @@ def test_cross_teacher_trains_labels_and_is_kept_off_vllm(tiny, ray_local, capsy
         ["--dataset-uri", ds, "--teacher", root, "--out", out, "--cuts", "1"]
         + ["--negatives", "3", "--max-len", "10", "--actors", "1", "--max-windows", "4"],
     )
-    table = pl.from_arrow(storage.read_parquet(storage.join(labels["labels"], "labels.parquet")))
+    table = pl.from_arrow(storage.read_table(labels["labels"], "labels.parquet"))
     assert labels["rows"] == table.height == 4
     from models.teacher import CrossEncoderTeacher, examples_for
 

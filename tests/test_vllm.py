@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _vectors(summary: dict) -> np.ndarray:
-    t = storage.read_parquet(storage.join(summary["out"], "vectors.parquet")).sort_by("vid")
+    t = storage.read_table(summary["out"], "vectors.parquet").sort_by("vid")
     return np.stack(t.column("vector").to_numpy(zero_copy_only=False)).astype(np.float32)
 
 
@@ -63,7 +63,7 @@ def test_label_teacher_with_vllm_gives_the_hf_logits(teacher, capsys):
     assert vl["engine"] == "vllm" and vl["prompts"] == hf["prompts"] == 40 * 8
 
     def table(s):
-        t = storage.read_parquet(storage.join(s["labels"], "labels.parquet"))
+        t = storage.read_table(s["labels"], "labels.parquet")
         return pl.from_arrow(t).sort("user_id", maintain_order=True)
 
     a, b = table(hf), table(vl)
@@ -113,7 +113,7 @@ def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, caps
     titles = item_titles(teacher["dataset"])
     vid_of = dict(
         zip(
-            *storage.read_parquet(storage.join(teacher["dataset"], "items.parquet"))
+            *storage.read_table(teacher["dataset"], "items.parquet")
             .select(["item_id", "vid"])
             .to_pydict()
             .values(),
@@ -139,7 +139,7 @@ def test_evaluate_scores_the_teacher_with_vllm_as_with_hf(teacher, capsys):
     vl = run_json(capsys, evaluate.main, [*args, "--report", "vl", "--teacher-engine", "vllm"])
 
     def ranks(summary):
-        t = storage.read_parquet(storage.join(summary["report"], "per_user.parquet"))
+        t = storage.read_table(summary["report"], "per_user.parquet")
         return pl.from_arrow(t).sort("user_id")["teacher_sampled_rank"].to_list()
 
     assert ranks(vl) == ranks(hf) and len(ranks(hf)) == 40

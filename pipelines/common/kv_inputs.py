@@ -4,6 +4,8 @@ that K and V are projected from) for sampled users, collected by Ray Data ranker
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import polars as pl
 
@@ -61,7 +63,7 @@ def fitting_users(
             f"{dataset_uri}: no user has {max(1, min_history)}+ history items to collect K and "
             "V from"
         )
-    max_len = int(storage.read_json(storage.join(checkpoint, "train.json"))["max_len"])
+    max_len = int(json.loads(storage.read_file(checkpoint, "train.json"))["max_len"])
     return seqs, max_len
 
 

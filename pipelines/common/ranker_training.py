@@ -309,8 +309,8 @@ def train(
     from pipelines.common.ray_runtime import init_ray
 
     t0 = time.perf_counter()
-    dataset_uri, out = storage.absolute(dataset_uri), storage.absolute(out)
-    vectors_uri = storage.absolute(vectors_uri) if vectors_uri else None
+    dataset_uri, out = storage.pinned(dataset_uri), storage.absolute(out)
+    vectors_uri = storage.pinned(vectors_uri) if vectors_uri else None
     if tc.val_score == "dot" and not rc.user_token:
         raise InputError("--val-score dot needs a ranker with a user token")
     if tc.tune == "kv" and not (rc.collective_kv or rc.kv_rank):
@@ -332,8 +332,8 @@ def train(
     users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
     # an epoch is every user's history in windows of max_len + 1: each item a target once
     if teacher_labels:
-        labels, tc = _labelled_examples(storage.absolute(teacher_labels), dataset_uri, tc)
-        extra_meta = {**(extra_meta or {}), "teacher_labels": storage.absolute(teacher_labels)}
+        labels, tc = _labelled_examples(storage.pinned(teacher_labels), dataset_uri, tc)
+        extra_meta = {**(extra_meta or {}), "teacher_labels": storage.pinned(teacher_labels)}
     else:
         labels = training_windows(users, tc.max_len)
     train_rows = labels.sample(fraction=1.0, shuffle=True, seed=tc.seed)
@@ -358,7 +358,7 @@ def train(
         "dataset_uri": dataset_uri,
         "resume_from": resume_from,
         "init_uri": init_uri,
-        "base_uri": storage.absolute(base_uri) if base_uri else None,
+        "base_uri": storage.pinned(base_uri) if base_uri else None,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
         "item_counts": np.bincount(
             np.concatenate(users["hist"].to_list()), minlength=n_items
@@ -456,7 +456,7 @@ def _labelled_examples(labels_uri: str, dataset_uri: str, tc: TrainConfig):
             tc.negatives,
         )
     tc = dataclasses.replace(tc, cuts=marker["cuts"], negatives=marker["negatives"])
-    table = storage.read_parquet(storage.join(labels_uri, "labels.parquet"))
+    table = storage.read_table(labels_uri, "labels.parquet")
     return pl.from_arrow(table), tc
 
 

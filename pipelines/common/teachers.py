@@ -18,7 +18,7 @@ def teacher_for_engine(uri: str, engine: str) -> TeacherConfig:
     otherwise): vLLM serves causal-LM teachers only, and needs vLLM installed."""
     from pipelines.common.vllm_engine import check_engine
 
-    cfg = TeacherConfig.from_json(storage.read_bytes(storage.join(uri, "teacher.json")))
+    cfg = TeacherConfig.from_json(storage.read_file(uri, "teacher.json"))
     if engine == "vllm" and cfg.kind != "causal":
         raise InputError(
             f"{uri} is a {cfg.kind} teacher; the vllm engine serves causal-LM teachers "
