@@ -187,7 +187,7 @@ def train_row(device: str, steps: int, batch: int = 32, cuts: int = 4, negatives
         next_vids = tb.next_vids.to(device)
         rows = next_vids >= 0
         out = model(h, tb.candidates.to(device), cut=tb.cut.to(device), catalog=rows)
-        scores = (out.scores - tb.log_q.to(device)).view(-1, 1 + negatives)
+        scores = out.scores.view(-1, 1 + negatives)
         loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=device))
         loss = loss + F.cross_entropy(out.catalog, next_vids[rows]) + out.aux_loss
         opt.zero_grad(set_to_none=True)

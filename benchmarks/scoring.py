@@ -71,7 +71,7 @@ def step_flops(cfg: RankerConfig, n_tokens: int, keys_per_token: float) -> float
         + 6 * n_tokens * d * cfg.ffn_dim  # SwiGLU
         + 4 * n_tokens * cfg.n_heads * cfg.head_dim * keys_per_token  # QK^T and PV
     )
-    adapter = 2 * n_tokens * (cfg.item_dim * d + (d * d if cfg.adapter == "mlp" else 0))
+    adapter = 2 * n_tokens * cfg.item_dim * d
     return cfg.n_layers * per_layer + adapter + 2 * n_tokens * d
 
 

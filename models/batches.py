@@ -31,14 +31,7 @@ class TrainBatch:
     candidates: Tensor  # (B, C * (1 + K)) vids; per cut: positive first, then K negatives
     cut: Tensor  # (B, C * (1 + K)) history items visible to each candidate
     groups: int  # C: cut points per user; scores.view(B, C, 1 + K), label 0
-    log_q: Tensor  # (B, C * (1 + K)) log sampling probability of each candidate
     next_vids: Tensor  # (B, T): the item after the first t + 1 history items; -100 = padding
-
-
-def sampling_distribution(counts: np.ndarray, alpha: float) -> np.ndarray:
-    """Q over the catalog: (count + 1) ** alpha, normalised; alpha 0 is uniform."""
-    q = (counts.astype(np.float64) + 1.0) ** alpha
-    return q / q.sum()
 
 
 def _pad(rows: list[np.ndarray], fill: int) -> Tensor:
@@ -76,17 +69,12 @@ def sample_candidates(
     n_items: int,
     cuts: int,
     negatives: int,
-    q: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``cuts`` cut points t in 1..len-1 (with replacement for short windows) and, per cut, the
-    positive window[t] followed by ``negatives`` items drawn from ``q`` (default uniform).
+    positive window[t] followed by ``negatives`` items drawn uniformly from the catalog.
     Returns (t (cuts,), candidates (cuts, 1 + negatives))."""
     t = rng.integers(1, len(window), size=cuts)
-    if q is None:
-        neg = rng.integers(0, n_items, size=(cuts, negatives))
-    else:
-        cdf = np.cumsum(q)
-        neg = np.minimum(np.searchsorted(cdf, rng.random((cuts, negatives)) * cdf[-1]), n_items - 1)
+    neg = rng.integers(0, n_items, size=(cuts, negatives))
     return t, np.concatenate([window[t][:, None], neg], axis=1)
 
 
@@ -99,11 +87,10 @@ def training_batch(
     max_len: int,
     cuts: int,
     negatives: int,
-    q: np.ndarray | None = None,
     given: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
 ) -> TrainBatch:
     """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items).
-    ``q`` (n_items,): the negative sampling distribution (default uniform). ``given``: fixed
+    Negatives are uniform over the catalog. ``given``: fixed
     (cut points (cuts,), candidates (cuts, 1 + negatives)) per sequence instead - the examples
     a teacher labelled; the sequences are then used whole, as the windows they were cut for."""
     win_v, win_f, cand_rows, cut_rows, next_rows = [], [], [], [], []
@@ -111,9 +98,7 @@ def training_batch(
     for i, (v, f) in enumerate(zip(vids, feedback, strict=True)):
         if given is None:
             wv, wf = sample_window(v, f, rng, max_len)
-            t, cands = sample_candidates(
-                wv, rng, n_items=n_items, cuts=cuts, negatives=negatives, q=q
-            )
+            t, cands = sample_candidates(wv, rng, n_items=n_items, cuts=cuts, negatives=negatives)
         else:
             wv, wf = np.asarray(v), np.asarray(f)
             t, cands = np.asarray(given[0][i]), np.asarray(given[1][i]).reshape(cuts, k)
@@ -129,12 +114,10 @@ def training_batch(
         next_rows.append(wv[1:])
     history = History(_pad(win_v, -1), _pad(win_f, -1), torch.tensor([len(x) for x in win_v]))
     cands = np.stack(cand_rows)
-    log_q = np.log(q[cands] if q is not None else np.full(cands.shape, 1.0 / n_items))
     return TrainBatch(
         history,
         torch.from_numpy(cands),
         torch.from_numpy(np.stack(cut_rows)),
         cuts,
-        torch.from_numpy(log_q).float(),
         _pad(next_rows, -100),
     )

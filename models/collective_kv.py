@@ -110,7 +110,7 @@ class CollectiveKV(nn.Module):
         self.cfg = cfg
         shared = kv_width - cfg.user_dim
         for side, on in (("k", cfg.share_k), ("v", cfg.share_v)):
-            router = nn.Linear(d_model, cfg.pool_size, bias=cfg.router_bias) if on else None
+            router = nn.Linear(d_model, cfg.pool_size) if on else None
             pool = nn.Parameter(torch.randn(cfg.pool_size, shared) * 0.02) if on else None
             user = nn.Linear(d_model, cfg.user_dim, bias=False) if on else None
             setattr(self, f"router_{side}", router)
@@ -253,8 +253,7 @@ def init_from_projections(
     The shared part of K (its first kv_width - d_u dims) is vector-quantised: k-means over the
     sampled keys gives the pool, so top-1 selection starts at the least-squares codebook. The
     router starts as the nearest-centroid classifier written on x: argmin ||W x - c_j||^2 =
-    argmax 2 c_j.W x - ||c_j||^2, weight 2 W^T c_j and bias -||c_j||^2; a bias-free router
-    (``router_bias`` off) drops the bias and starts further from the codebook. The user
+    argmax 2 c_j.W x - ||c_j||^2, weight 2 W^T c_j and bias -||c_j||^2. The user
     projection starts as the last d_u rows of the trained projection. The same for V. Returns
     the relative squared error of the shared part under the k-means assignment and under the
     router's, for K and V (the sides that are shared)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T", bound="_JsonConfig")
 
@@ -27,12 +27,8 @@ class _JsonConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
-    # fields added after configs were first written: what a saved config without them meant
-    _absent_means: ClassVar[dict[str, Any]] = {}
-
     @classmethod
     def from_dict(cls: type[T], d: dict[str, Any]) -> T:
-        d = {**cls._absent_means, **d}
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = set(d) - names
         if unknown:
@@ -53,7 +49,6 @@ def _nested(cls: type, name: str, value: Any) -> Any:
 
 
 ITEM_INPUTS = ("text", "id", "text+id")  # RankerConfig.item_input
-ADAPTERS = ("linear", "mlp")  # RankerConfig.adapter
 TEACHER_KINDS = ("causal", "cross")  # TeacherConfig.kind
 
 
@@ -93,13 +88,6 @@ class CollectiveKVConfig(_JsonConfig):
     # stored in full (kv_width fp16 per token), with no router or pool
     share_k: bool = True
     share_v: bool = True
-    # the routers' bias: with it a router starts as the exact nearest-entry classifier of the
-    # fitted pool (logit 2 c.k - |c|^2); without it (configs before the option) the |c|^2 term is
-    # dropped and large entries win tokens that lie nearer smaller ones. It costs nothing stored:
-    # a state holds the chosen index, not the logits
-    router_bias: bool = True
-
-    _absent_means = {"router_bias": False}
 
     def __post_init__(self) -> None:
         _check(
@@ -163,7 +151,6 @@ class RankerConfig(_JsonConfig):
     norm_eps: float = 1e-6
     attention_bias: bool = False  # True for Qwen2-style q/k/v biases
     feedback_classes: int = 5  # rating buckets; -1 (unknown) gets its own embedding
-    time_buckets: int = 0  # 0: no time-gap embedding; else log2-bucketed gaps, this many buckets
     collective_kv: CollectiveKVConfig | None = None  # None: plain KV cache
     # low-rank (MLA-style) baseline: cached tokens keep kv_rank fp16 numbers per layer, K and V
     # are up-projected from them; 0: off. A comparison for CollectiveKV at equal bytes.
@@ -173,18 +160,6 @@ class RankerConfig(_JsonConfig):
     # "text+id": encoder vectors plus a learned per-item residual that starts at zero, so an item
     # never seen in training is scored by its text alone
     item_input: str = "text"
-    # a user token scored beside the candidates in the same MIS pass: its output u adds
-    # <u, candidate token> to every candidate's score, and lets training use a full-catalog
-    # softmax at every history position (see models.ranker)
-    user_token: bool = True
-    # how an item vector becomes an item token: "linear" (one projection, the default) or "mlp"
-    # (Linear, SiLU, Linear). The MLP moves every item's token at once with each update of its
-    # shared weights, and on ml-latest-small it learned slower and ranked worse (docs/results.md)
-    adapter: str = "linear"
-
-    # what a saved config without a field meant: checkpoints from before the user token and
-    # before the adapter option
-    _absent_means = {"user_token": False, "adapter": "mlp"}
 
     def __post_init__(self) -> None:
         c = "RankerConfig"
@@ -209,20 +184,15 @@ class RankerConfig(_JsonConfig):
             f"head_dim must be even for rotary positions, got {self.head_dim}",
         )
         _check(
-            self.feedback_classes >= 0 and self.time_buckets >= 0,
+            self.feedback_classes >= 0,
             c,
-            "feedback_classes and time_buckets must be >= 0",
+            f"feedback_classes must be >= 0, got {self.feedback_classes}",
         )
         _check(0.0 <= self.dropout < 1.0, c, f"dropout must be in [0, 1), got {self.dropout}")
         _check(
             self.item_input in ITEM_INPUTS,
             c,
             f"item_input must be one of {', '.join(ITEM_INPUTS)}; got {self.item_input!r}",
-        )
-        _check(
-            self.adapter in ADAPTERS,
-            c,
-            f"adapter must be one of {', '.join(ADAPTERS)}; got {self.adapter!r}",
         )
         if self.collective_kv is not None:
             _check(

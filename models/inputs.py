@@ -14,18 +14,16 @@ from models.collective_kv import LayerState
 @dataclass
 class History:
     """A batch of ragged histories, right-padded. vids, feedback (B, T) long (padding: vid -1,
-    feedback -1 = unknown); lengths (B,) = real items per user; time_bucket (B, T) or None."""
+    feedback -1 = unknown); lengths (B,) = real items per user."""
 
     vids: Tensor
     feedback: Tensor
     lengths: Tensor
-    time_bucket: Tensor | None = None
 
     @staticmethod
     def from_lists(
         vids: list[list[int]],
         feedback: list[list[int]] | None = None,
-        time_bucket: list[list[int]] | None = None,
         device=None,
     ) -> History:
         b, t = len(vids), max((len(v) for v in vids), default=0)
@@ -41,17 +39,15 @@ class History:
             vids=pad(vids, -1),
             feedback=pad(fb, -1),
             lengths=torch.tensor([len(v) for v in vids], dtype=torch.long, device=device),
-            time_bucket=pad(time_bucket, 0) if time_bucket is not None else None,
         )
 
 
 @dataclass
 class Event:
-    """One new history item per user: vid, feedback (B,) long; time_bucket (B,) or None."""
+    """One new history item per user: vid, feedback (B,) long."""
 
     vid: Tensor
     feedback: Tensor
-    time_bucket: Tensor | None = None
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The personalized ranker (DuoLM): a Llama-style decoder whose tokens are item vectors.
 
 Input sequence per user: ``[BOS] h_1 ... h_T`` with ``h_t = adapter(item_table[vid_t]) +
-feedback_emb[f_t] (+ time_emb[gap bucket])``, then candidates ``c_j = adapter(item_table[vid_j])
-+ cand_emb`` (the adapter: one linear map, or an MLP with ``adapter="mlp"``); with
+feedback_emb[f_t]``, then candidates ``c_j = adapter(item_table[vid_j])
++ cand_emb`` (the adapter: one linear map); with
 ``item_input="text+id"`` every item token also adds a learned per-item
 residual ``id_residual[vid]`` (zero at start, so unseen items keep their text token), and with
 ``"id"`` (the baseline) a learned embedding replaces ``item_table``. Position p of BOS is 0, of
@@ -10,7 +10,7 @@ h_t is t; every candidate sits at position T+1 and sees the whole history and it
 another candidate (multi-item scoring, MIS). The score of candidate j is a linear head on its
 last hidden state.
 
-With ``user_token`` (the default) one more token rides along with the candidates: a learned
+One more token rides along with the candidates, the user token: a learned
 query embedding at position T+1 that sees the history and itself, like a candidate. Its output
 ``u = user_head(norm(x))`` is the user's vector, and every candidate's score gains ``<u, c_j>``
 (c_j: the candidate's input token). Scoring stays one MIS pass (one token more), the cache is
@@ -69,12 +69,6 @@ from models.layers import (
     rope_cos_sin,
     split_heads,
 )
-
-
-def time_gap_buckets(ts: Tensor, n_buckets: int) -> Tensor:
-    """Log2 buckets of the gap to the previous event: ts (B, T) -> (B, T) in [0, n_buckets)."""
-    gap = torch.diff(ts, dim=-1, prepend=ts[..., :1]).clamp(min=0).float()
-    return torch.log2(gap + 1).floor().long().clamp(max=n_buckets - 1)
 
 
 def ranking_loss(scores: Tensor, labels: Tensor) -> Tensor:
@@ -177,20 +171,12 @@ class Ranker(nn.Module):
         if cfg.item_input == "text+id":
             self.id_residual = nn.Embedding(n_items, cfg.d_model)
             nn.init.zeros_(self.id_residual.weight)
-        self.adapter = (
-            nn.Sequential(nn.Linear(cfg.item_dim, cfg.d_model))
-            if cfg.adapter == "linear"
-            else nn.Sequential(
-                nn.Linear(cfg.item_dim, cfg.d_model), nn.SiLU(), nn.Linear(cfg.d_model, cfg.d_model)
-            )
-        )
+        self.adapter = nn.Sequential(nn.Linear(cfg.item_dim, cfg.d_model))
         self.feedback_emb = nn.Embedding(cfg.feedback_classes + 1, cfg.d_model)  # row 0: unknown
-        self.time_emb = nn.Embedding(cfg.time_buckets, cfg.d_model) if cfg.time_buckets else None
         self.bos = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
         self.cand_emb = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
-        if cfg.user_token:
-            self.user_query = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
-            self.user_head = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.user_query = nn.Parameter(torch.randn(cfg.d_model) * 0.02)
+        self.user_head = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, 1)
@@ -198,7 +184,7 @@ class Ranker(nn.Module):
         self._rope_table: dict[tuple, tuple[Tensor, Tensor]] = {}
         # Embeddings start small, like the item tokens they are added to: at nn.Embedding's
         # default N(0, 1) the feedback term would drown which item a token is.
-        for emb in (self.feedback_emb, self.time_emb, self.item_emb):
+        for emb in (self.feedback_emb, self.item_emb):
             if emb is not None:
                 nn.init.normal_(emb.weight, std=0.02)
 
@@ -233,16 +219,13 @@ class Ranker(nn.Module):
         tokens = self.adapter(raw.to(self.bos.dtype))
         return tokens if residual is None else tokens + residual
 
-    def _history_tokens(self, vids: Tensor, feedback: Tensor, time_bucket: Tensor | None) -> Tensor:
-        x = self._item_tokens(vids) + self.feedback_emb((feedback + 1).clamp(min=0))
-        if self.time_emb is not None and time_bucket is not None:
-            x = x + self.time_emb(time_bucket)
-        return x
+    def _history_tokens(self, vids: Tensor, feedback: Tensor) -> Tensor:
+        return self._item_tokens(vids) + self.feedback_emb((feedback + 1).clamp(min=0))
 
     def _embed_history(self, h: History) -> tuple[Tensor, Tensor]:
         """-> x (B, 1+T, d) with BOS first, lengths (B,) including BOS."""
         b = h.vids.shape[0]
-        x = self._history_tokens(h.vids, h.feedback, h.time_bucket)
+        x = self._history_tokens(h.vids, h.feedback)
         x = torch.cat([self.bos.expand(b, 1, -1), x], dim=1)
         return self.drop(x), h.lengths + 1
 
@@ -388,9 +371,6 @@ class Ranker(nn.Module):
         kv = self.expand(cache)
         if tokens.ndim == 2:
             tokens = tokens.expand(len(kv.lengths), -1, -1)
-        if not self.cfg.user_token:
-            x, _, _ = self._step(kv, tokens, cached=False)
-            return self._head(x)
         b = len(kv.lengths)
         x, _, _ = self._step(kv, torch.cat([self.user_query.expand(b, 1, -1), tokens], 1), False)
         return self._head(x[:, 1:]) + (self._user_vector(x[:, :1]) * tokens).sum(-1)
@@ -399,8 +379,6 @@ class Ranker(nn.Module):
     def user_vector(self, cache: Cache) -> Tensor:
         """The user token's vector u (B, d) for these caches: ``<u, candidate token>`` is the
         part of each candidate's score a dot product gives (a retrieval query)."""
-        if not self.cfg.user_token:
-            raise ValueError("this ranker has no user token (RankerConfig.user_token=False)")
         kv = self.expand(cache)
         x, _, _ = self._step(kv, self.user_query.expand(len(kv.lengths), 1, -1), cached=False)
         return self._user_vector(x[:, 0])
@@ -429,11 +407,6 @@ class Ranker(nn.Module):
         """
         p = self._prefill(history)
         tokens = self._candidate_tokens(candidate_vids)
-        if not self.cfg.user_token:
-            visible = None if cut is None else cut + 1  # + BOS
-            x, _, _ = self._step(p.kv, tokens, cached=False, visible=visible)
-            scores = self._head(x).masked_fill(candidate_vids < 0, float("-inf"))
-            return RankerOutput(scores, p.aux)
         b, n = candidate_vids.shape
         if cut is None:
             cut = history.lengths[:, None].expand(b, n)
@@ -473,8 +446,7 @@ class Ranker(nn.Module):
         xh, lengths = self._embed_history(history)
         xc = cand_tokens = self._candidate_tokens(candidate_vids)
         b, length, _ = xh.shape
-        if cfg.user_token:  # one more "candidate": the user token, first
-            xc = torch.cat([self.user_query.expand(b, 1, -1), xc], 1)
+        xc = torch.cat([self.user_query.expand(b, 1, -1), xc], 1)  # the user token, first
         n = xc.shape[1]
         x = torch.cat([xh, xc], dim=1)
         dev = x.device
@@ -508,9 +480,8 @@ class Ranker(nn.Module):
             x = x + att.o_proj(merge_heads(masked_attention(q, k, v, mask)))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         scores = self._head(x[:, length + n - candidate_vids.shape[1] :])
-        if cfg.user_token:
-            u = self._user_vector(x[:, length])
-            scores = scores + (cand_tokens * u[:, None, :]).sum(-1)
+        u = self._user_vector(x[:, length])
+        scores = scores + (cand_tokens * u[:, None, :]).sum(-1)
         return scores.masked_fill(candidate_vids < 0, float("-inf"))
 
     # -- extend
@@ -520,8 +491,7 @@ class Ranker(nn.Module):
         """Append one history token per user (a decode step against the cache); returns a new
         cache, the input is left unchanged."""
         kv = self.expand(cache)
-        tb = event.time_bucket[:, None] if event.time_bucket is not None else None
-        x = self._history_tokens(event.vid[:, None], event.feedback[:, None], tb)
+        x = self._history_tokens(event.vid[:, None], event.feedback[:, None])
         _, new, _ = self._step(kv, x, cached=True)
         rows = torch.arange(len(cache.lengths), device=cache.lengths.device)
         at = cache.lengths

@@ -40,7 +40,7 @@ import argparse
 import sys
 
 from artifacts import storage
-from models.config import ADAPTERS, ITEM_INPUTS, CollectiveKVConfig, RankerConfig
+from models.config import ITEM_INPUTS, CollectiveKVConfig, RankerConfig
 from pipelines.common import jobs
 from pipelines.common.ranker_training import TrainConfig, add_train_args, train, train_config
 
@@ -81,12 +81,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--head-dim", type=int, default=64)
     g.add_argument("--ffn-dim", type=int, default=192)
     g.add_argument("--dropout", type=float, default=0.2)
-    g.add_argument(
-        "--adapter",
-        choices=ADAPTERS,
-        default="linear",
-        help="item vector -> token: one linear map, or an MLP (the shape before this option)",
-    )
     g.add_argument("--pool-size", type=int, default=0, help="CollectiveKV pool size M (0: off)")
     g.add_argument("--user-dim", type=int, default=1, help="CollectiveKV d_u")
     return p.parse_args(argv)
@@ -109,7 +103,6 @@ def configs_from_args(
         feedback_classes=feedback_classes,
         collective_kv=ckv,
         item_input=a.item_input,
-        adapter=a.adapter,
     )
     return rc, tc
 

@@ -52,11 +52,6 @@ TUNES = ("all", "kv")
 class TrainConfig(BaseTrainConfig):
     """How to train; the model's shape is the RankerConfig beside it."""
 
-    # negatives ~ (count + 1) ** alpha with the logQ correction; 0 = uniform. On ml-latest-small
-    # at a few CPU-minutes of training, uniform gave validation NDCG@10 ~0.02 and alpha 0.75
-    # ~0.005: a text-only ranker must first learn popularity from text before the corrected
-    # loss pays off, so uniform is the default at this budget.
-    neg_alpha: float = 0.0
     # weight of the user token's full-catalog softmax over every history position's next item
     # (0: off; needs a ranker with a user token). On ml-latest-small it lifts validation
     # NDCG@10 from ~0.02 (sampled negatives alone) to SASRec's level.
@@ -119,7 +114,7 @@ def train_loop(config: dict) -> None:
     import ray.train.torch
 
     from artifacts.data import load_checkpoint
-    from models.batches import sampling_distribution, training_batch
+    from models.batches import training_batch
     from models.ranker import Ranker, distillation_loss, ranking_loss
 
     jobs.setup_logging()  # this worker's progress lines
@@ -169,7 +164,6 @@ def train_loop(config: dict) -> None:
         start_val, _, n = validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)
         if rank == 0:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
-    q = sampling_distribution(np.asarray(config["item_counts"]), tc.neg_alpha)
     shard = ray.train.get_dataset_shard("train")
     started = time.perf_counter()
     for epoch in range(start_epoch, tc.epochs):
@@ -195,16 +189,15 @@ def train_loop(config: dict) -> None:
                 max_len=tc.max_len,
                 cuts=tc.cuts,
                 negatives=tc.negatives,
-                q=q,
                 given=(list(batch["cuts"]), list(batch["candidates"])) if labelled else None,
             )
             h = tb.history
             h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
-            catalog = tc.catalog_weight > 0 and rc.user_token
+            catalog = tc.catalog_weight > 0
             next_vids = tb.next_vids.to(dev)
             rows = next_vids >= 0 if catalog else False  # logits only where a next item is
             out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
-            scores = (out.scores - tb.log_q.to(dev)).view(-1, 1 + tc.negatives)
+            scores = out.scores.view(-1, 1 + tc.negatives)
             loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
             if catalog:
                 loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
@@ -311,8 +304,6 @@ def train(
     t0 = time.perf_counter()
     dataset_uri, out = storage.pinned(dataset_uri), storage.absolute(out)
     vectors_uri = storage.pinned(vectors_uri) if vectors_uri else None
-    if tc.val_score == "dot" and not rc.user_token:
-        raise InputError("--val-score dot needs a ranker with a user token")
     if tc.tune == "kv" and not (rc.collective_kv or rc.kv_rank):
         raise InputError("--tune kv needs a compressed cache (CollectiveKV or --kv-rank) to train")
     if tc.base_distill_weight > 0 and not base_uri:
@@ -360,9 +351,6 @@ def train(
         "init_uri": init_uri,
         "base_uri": storage.pinned(base_uri) if base_uri else None,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
-        "item_counts": np.bincount(
-            np.concatenate(users["hist"].to_list()), minlength=n_items
-        ).tolist(),
     }
     log.info(
         "training %s on %d users (%d windows), %d items, %d worker(s)",
