@@ -110,7 +110,7 @@ def item_table(vectors_dir: str, n_items: int) -> tuple[torch.Tensor, int]:
     """The (n_items, dim) float32 table by vid from a published item_vectors folder; items
     without a vector (skipped by the encoder) get zeros. Returns (table, missing count)."""
     marker = storage.read_marker(vectors_dir)
-    t = storage.read_table(marker["uri"], "vectors.parquet", columns=["vid", "vector"])
+    t = storage.read_table(vectors_dir, "vectors.parquet", ["vid", "vector"], marker)
     dim = int(marker["dim"])
     vids = t.column("vid").to_numpy()
     if len(vids) and int(vids.max()) >= n_items:

@@ -34,7 +34,7 @@ def read_prior(uri: str, n_items: int | None = None) -> tuple[ItemPrior, dict]:
         raise InputError(f"{uri} is not an item prior (fit_item_prior publishes one)")
     if n_items is not None and int(marker["n_items"]) != n_items:
         raise InputError(f"{uri} was fitted on {marker['n_items']} items, not {n_items}")
-    t = storage.read_table(marker["uri"], PRIOR_FILE)
+    t = storage.read_table(uri, PRIOR_FILE, marker=marker)
     index = torch.as_tensor(np.stack(t["neighbours"].to_numpy(zero_copy_only=False)))
     weight = torch.as_tensor(np.stack(t["weights"].to_numpy(zero_copy_only=False)))
     # a prior published before "next" fits existed is an "ease" one

@@ -207,5 +207,5 @@ def read_states(uri: str) -> tuple[dict, pa.Table]:
     manifest = storage.read_marker(uri)
     if manifest.get("kind") != "user_states":
         raise InputError(f"{uri} is not a user_states folder (kind {manifest.get('kind')!r})")
-    parts = [storage.read_table(manifest["uri"], f) for f in manifest["state_files"]]
+    parts = [storage.read_table(uri, f, marker=manifest) for f in manifest["state_files"]]
     return manifest, pa.concat_tables(parts)

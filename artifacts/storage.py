@@ -190,7 +190,7 @@ def local_folder(folder: str) -> Iterator[str]:
             dst = os.path.join(tmp, name)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             with open(dst, "wb") as f:
-                f.write(read_file(marker["uri"], name))
+                f.write(read_file(marker["uri"], name, marker))
         yield tmp
 
 
@@ -251,10 +251,12 @@ def read_marker(folder: str) -> dict[str, Any]:
     return marker
 
 
-def read_file(folder: str, name: str) -> bytes:
+def read_file(folder: str, name: str, marker: dict[str, Any] | None = None) -> bytes:
     """File ``name`` of the version ``folder`` publishes, checked against the sha256 its marker
-    records (IncompleteError when it differs: the file was changed after publishing)."""
-    marker = read_marker(folder)
+    records (IncompleteError when it differs: the file was changed after publishing). Pass
+    ``marker`` (``read_marker(folder)``) when reading several files of one version, so that
+    the marker is read and its files' sizes checked once, not once per file."""
+    marker = marker if marker is not None else read_marker(folder)
     uri = join(marker["uri"], name)
     data = read_bytes(uri)
     want = marker.get("files", {}).get(name, {}).get("sha256")
@@ -267,9 +269,14 @@ def read_file(folder: str, name: str) -> bytes:
     return data
 
 
-def read_table(folder: str, name: str, columns: list[str] | None = None) -> pa.Table:
+def read_table(
+    folder: str,
+    name: str,
+    columns: list[str] | None = None,
+    marker: dict[str, Any] | None = None,
+) -> pa.Table:
     """Parquet file ``name`` of the version ``folder`` publishes, checksum verified."""
-    return pq.read_table(io.BytesIO(read_file(folder, name)), columns=columns)
+    return pq.read_table(io.BytesIO(read_file(folder, name, marker)), columns=columns)
 
 
 @dataclass

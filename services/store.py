@@ -102,7 +102,7 @@ class ShardStore:
         else:
             parts = []
             for f in self.manifest["state_files"]:
-                t = storage.read_table(self.manifest["uri"], f)
+                t = storage.read_table(manifest_uri, f, marker=self.manifest)
                 mine = pa.array(t.column("user_id").to_numpy() % self.shards == self.shard)
                 parts.append(t.filter(mine))
             table = pa.concat_tables(parts) if parts else states.schema(self.layout).empty_table()
