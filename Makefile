@@ -19,7 +19,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvrank-installed
 VLLM_LOCK  := requirements-vllm.lock
 
-.PHONY: install lock vllm-env demo test test-fast bench kv-sweep serve serve-load serve-load-teacher lint clean
+.PHONY: install lock vllm-env demo test test-fast bench quality kv-sweep serve serve-load serve-load-teacher lint clean
 
 install: $(STAMP)
 
@@ -58,15 +58,13 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	touch $@
 
 DEMO_DATA := $(OUT)/datasets/ml-latest-small
-DEMO_EPOCHS ?= 3
-DEMO_KV_EPOCHS ?= 1
 
-# the whole chain on ml-latest-small on an embedded local Ray: prepare -> encode -> train ->
-# evaluate -> analyse the KV -> fit the CollectiveKV pools -> build user states -> evaluate from
-# them -> serve them, rank one user's catalog, short load; tables and plots in out/reports/demo/
+# the whole chain on ml-latest-small on an embedded local Ray, every job from the recipe
+# configs/demo.yaml: prepare -> encode -> train -> fit the prior -> analyse the KV -> fit the
+# CollectiveKV pools -> build user states -> evaluate them -> serve them (one user's top 10,
+# a short load); tables and plots in out/reports/demo/
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m demo --out $(OUT) \
-		--epochs $(DEMO_EPOCHS) --kv-epochs $(DEMO_KV_EPOCHS)
+	RAY_AUTH_MODE=disabled $(PY) -m demo --out $(OUT)
 
 # everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm
 test: $(STAMP) $(VLLM_STAMP)
@@ -83,12 +81,19 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.scoring
 	$(PY) -m benchmarks.scoring --dtype bf16
 
+# a recipe end to end (prepare, encode, train, fit the prior, evaluate) -> the README's quality
+# row: benchmarks/results/quality_<dataset>.json; then python -m benchmarks.readme
+RECIPE ?= configs/ml-latest-small.yaml
+quality: $(STAMP)
+	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.quality --config $(RECIPE) --out $(OUT)
+
 # the CollectiveKV sweep (M x d_u, int8 and low-rank baselines) on the demo's trained ranker
 kv-sweep: $(STAMP)
 	$(PY) -m benchmarks.kv_sweep --dataset-uri $(DEMO_DATA) --out $(OUT) \
-		--checkpoint $(OUT)/checkpoints/ml-latest-small-text
+		--checkpoint $(OUT)/checkpoints/ml-latest-small-text-id
 
-# the Serve app on 127.0.0.1:8000 over the demo's user states (make demo first)
+# the Serve app on 127.0.0.1:8000 serving what the demo evaluated: its states, prior and
+# fusion weight (make demo first)
 serve: $(STAMP)
 	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run --address local infra/serve_config.yaml
 

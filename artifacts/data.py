@@ -18,8 +18,8 @@ import pyarrow as pa
 import torch
 
 from artifacts import storage
-from artifacts.errors import InputError
 from models.config import EncoderConfig
+from models.errors import InputError
 
 
 def read_dataset_table(dataset_uri: str, name: str) -> pl.DataFrame:

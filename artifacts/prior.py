@@ -9,7 +9,7 @@ import pyarrow as pa
 import torch
 
 from artifacts import storage
-from artifacts.errors import InputError
+from models.errors import InputError
 from models.item_prior import ItemPrior, PriorConfig
 
 PRIOR_FILE = "prior.parquet"

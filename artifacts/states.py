@@ -31,9 +31,9 @@ import pyarrow.compute as pc
 import torch
 
 from artifacts import storage
-from artifacts.errors import InputError
 from models.collective_kv import STATE_DTYPE, LayerState
 from models.config import CollectiveKVConfig, RankerConfig
+from models.errors import InputError
 from models.inputs import CompressedCache
 
 FIELDS = ("idx_k", "idx_v", "u_k", "u_v")

@@ -47,7 +47,7 @@ from models.inputs import CompressedCache, History
 from models.ranker import Ranker, ranking_loss
 
 N_ITEMS = 20_000
-RECIPE = RankerConfig(item_input="text+id")
+RECIPE = RankerConfig()  # the defaults are the measured recipe (text+id, width 64)
 CKV = dataclasses.replace(RECIPE, collective_kv=CollectiveKVConfig(pool_size=4096, user_dim=1))
 BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
 SIZES = {  # per device: what a few seconds on a CPU allows, and the sizes on a GPU

@@ -2,7 +2,7 @@
 the int8 and low-rank (MLA-style) KV baselines, all from one trained ranker.
 
     python -m benchmarks.kv_sweep --dataset-uri out/datasets/ml-latest-small \\
-        --checkpoint out/checkpoints/ml-latest-small-text --out out \\
+        --checkpoint out/checkpoints/ml-latest-small-text-id --out out \\
         [--pool-sizes 256,1024,4096] [--user-dims 1,2,4,8] [--low-ranks 4] [--epochs 1]
         [--max-users 200]
 
@@ -31,6 +31,23 @@ import torch
 from benchmarks.report import machine, write
 
 log = logging.getLogger("kvrank.kv_sweep")
+
+
+def quantize_int8(cache):
+    """The int8 baseline: K and V of each cached token and KV head quantised symmetrically to
+    int8 with one fp16 scale (absmax / 127), and dequantised. Returns the cache a consumer
+    would read and the bytes stored for the valid tokens."""
+    from models.inputs import KVCache
+
+    def q(t: torch.Tensor) -> torch.Tensor:
+        scale = (t.abs().amax(-1, keepdim=True) / 127).to(torch.float16).to(t.dtype)
+        scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
+        return (t / scale).round().clamp(-127, 127) * scale
+
+    tokens = int(cache.lengths.sum())
+    heads, dim = cache.k[0].shape[1], cache.k[0].shape[3]
+    nbytes = tokens * len(cache.k) * 2 * heads * (dim + 2)
+    return KVCache([q(k) for k in cache.k], [q(v) for v in cache.v], cache.lengths), nbytes
 
 
 def ranks_for(model, users, max_len: int, n_items: int, cache_fn, batch: int = 32) -> np.ndarray:
@@ -333,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
             INT8,
             int8_ratio,
             ranks_for(
-                base, users, max_len, n_items, lambda h, _: base.quantize_int8(base.prefill(h))[0]
+                base, users, max_len, n_items, lambda h, _: quantize_int8(base.prefill(h))[0]
             ),
         )
 

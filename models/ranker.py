@@ -530,22 +530,6 @@ class Ranker(nn.Module):
 
     # -- sizes
 
-    @staticmethod
-    def quantize_int8(cache: KVCache) -> tuple[KVCache, int]:
-        """The int8 baseline: K and V of each cached token and KV head quantised symmetrically
-        to int8 with one fp16 scale (absmax / 127), and dequantised. Returns the cache a
-        consumer would read and the bytes stored for the valid tokens."""
-
-        def q(t: Tensor) -> Tensor:
-            scale = (t.abs().amax(-1, keepdim=True) / 127).to(torch.float16).to(t.dtype)
-            scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
-            return (t / scale).round().clamp(-127, 127) * scale
-
-        tokens = int(cache.lengths.sum())
-        heads, dim = cache.k[0].shape[1], cache.k[0].shape[3]
-        nbytes = tokens * len(cache.k) * 2 * heads * (dim + 2)
-        return KVCache([q(k) for k in cache.k], [q(v) for v in cache.v], cache.lengths), nbytes
-
     def full_kv_bytes(self, lengths: Tensor) -> int:
         """Bytes the plain fp16 KV of these cached tokens would take."""
         return full_kv_bytes(int(lengths.sum()), self.cfg.n_layers, self.cfg.kv_width)

@@ -1,7 +1,7 @@
 """Analyse a trained ranker's history KV: how low-rank it is, and how much of it users share.
 
     python -m pipelines.analyze_kv --dataset-uri out/datasets/ml-latest-small \\
-        --checkpoint out/checkpoints/ml-latest-small-text --out out [--users 128] [--rank 8]
+        --checkpoint out/checkpoints/ml-latest-small-text-id --out out [--users 128] [--rank 8]
 
 Ray Data runs the ranker over a seeded sample of users' histories (``train_kv_pool``'s actor
 pool) and collects each layer's K and V of the cached tokens, before rotary (the position-free
@@ -22,7 +22,6 @@ Writes ``<out>/reports/<name>-kv/``: analysis.json, spectrum.png, sharing.png.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -32,8 +31,8 @@ import time
 import numpy as np
 
 from artifacts import storage
-from artifacts.errors import InputError
-from pipelines.common import jobs
+from models.errors import InputError
+from pipelines.common import cli, jobs
 
 log = logging.getLogger("kvrank.analyze_kv")
 
@@ -227,17 +226,15 @@ def analyze(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.analyze_kv", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+    p = cli.job_parser("analyze_kv", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="the prepared dataset the ranker learned")
     p.add_argument("--checkpoint", required=True, help="a trained, uncompressed ranker")
     p.add_argument("--out", required=True, help="the report goes to <out>/reports/<name>/")
     p.add_argument("--users", type=int, default=128, help="users sampled (with 2*rank+ tokens)")
     p.add_argument("--rank", type=int, default=8, help="r of the principal subspaces")
-    p.add_argument("--max-tokens", type=int, default=50_000)
+    p.add_argument("--max-tokens", type=int, default=50_000, help="cached tokens analysed at most")
     p.add_argument("--report", default=None, help="report name (default: <checkpoint>-kv)")
-    a = p.parse_args(argv)
+    a = cli.parse(p, argv)
     if a.users < 2 or a.max_tokens <= 0:
         p.error("--users must be >= 2 and --max-tokens > 0")
     return jobs.run(

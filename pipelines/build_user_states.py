@@ -22,7 +22,6 @@ test protocol ranks from, so ``pipelines.evaluate --user-states`` can score the 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import sys
@@ -35,8 +34,8 @@ import pyarrow.compute as pc
 
 from artifacts import states, storage
 from artifacts.data import user_sequences
-from artifacts.errors import InputError
-from pipelines.common import jobs
+from models.errors import InputError
+from pipelines.common import cli, jobs
 from pipelines.common.ranker_actors import RankerActor, map_with_rankers
 
 log = logging.getLogger("kvrank.build_user_states")
@@ -220,10 +219,8 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.build_user_states", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+    p = cli.job_parser("build_user_states", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="the prepared dataset whose users to build")
     p.add_argument("--checkpoint", required=True, help="a CollectiveKV ranker checkpoint")
     p.add_argument("--out", required=True, help="states go to <out>/user_states/<run>/")
     p.add_argument("--run", default=None, help="folder name (default: the checkpoint's)")
@@ -231,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--include-test", action="store_true", help="add the test item (states to serve)"
     )
-    p.add_argument("--actors", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
-    a = p.parse_args(argv)
+    p.add_argument("--actors", type=int, default=2, help="prefill actors (Ray Data map_batches)")
+    p.add_argument("--batch-size", type=int, default=32, help="users per prefill forward")
+    a = cli.parse(p, argv)
     if a.actors <= 0 or a.batch_size <= 0:
         p.error("--actors and --batch-size must be > 0")
     return jobs.run(

@@ -25,7 +25,6 @@ cluster; their vectors go to their own folder (``<name>-vllm-<hash>``).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import sys
@@ -37,9 +36,9 @@ import pyarrow.compute as pc
 
 from artifacts import storage
 from artifacts.data import blocks, encoder_tag, vectors_uri
-from artifacts.errors import InputError
 from models.config import EncoderConfig
-from pipelines.common import jobs
+from models.errors import InputError
+from pipelines.common import cli, jobs
 
 log = logging.getLogger("kvrank.encode_items")
 
@@ -292,9 +291,7 @@ def _as_fixed_f16(col: pa.ChunkedArray, dim: int) -> pa.Array:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.encode_items", description=__doc__.split("\n")[0]
-    )
+    p = cli.job_parser("encode_items", __doc__)
     p.add_argument(
         "--dataset-uri", required=True, help="a prepared dataset folder (local or s3://)"
     )
@@ -307,9 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         "--encoder", default=None, help="a local Hugging Face model directory (default: MiniLM)"
     )
     p.add_argument("--full", action="store_true", help="re-encode every item")
-    p.add_argument("--actors", type=int, default=2)
-    p.add_argument("--cpus-per-actor", type=float, default=0.5)
-    p.add_argument("--batch-size", type=int, default=EncoderConfig.batch_size)
+    p.add_argument("--actors", type=int, default=2, help="encoder actors (Ray Data map_batches)")
+    p.add_argument(
+        "--cpus-per-actor", type=float, default=0.5, help="CPUs reserved per encoder actor"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=EncoderConfig.batch_size, help="texts per forward pass"
+    )
     p.add_argument(
         "--max-length", type=int, default=EncoderConfig.max_length, help="tokens per text"
     )
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         default="hf",
         help="hf (PyTorch actors) or vllm (ray.data.llm's embedding task)",
     )
-    a = p.parse_args(argv)
+    a = cli.parse(p, argv)
 
     def job() -> dict:
         cfg = EncoderConfig(model_dir=a.encoder, batch_size=a.batch_size, max_length=a.max_length)

@@ -1,7 +1,7 @@
 """Evaluate a trained ranker on the test split, with Ray Data, next to its baselines.
 
     python -m pipelines.evaluate --dataset-uri out/datasets/ml-latest-small \\
-        --checkpoint out/checkpoints/ml-latest-small-text --out out \\
+        --checkpoint out/checkpoints/ml-latest-small-text-id --out out \\
         [--id-checkpoint out/checkpoints/ml-latest-small-id] [--teacher out/teachers/RUN]
         [--teacher-engine hf|vllm]
         [--max-users N] [--report NAME]
@@ -28,7 +28,6 @@ ndcg_by_history_length.png, _SUCCESS.json.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -41,9 +40,9 @@ import pyarrow as pa
 
 from artifacts import storage
 from artifacts.data import user_sequences
-from artifacts.errors import InputError
+from models.errors import InputError
 from models.metrics import summarize
-from pipelines.common import jobs
+from pipelines.common import cli, jobs
 from pipelines.common.ranker_actors import map_with_rankers
 from pipelines.common.scoring import ScoreUsers
 
@@ -222,7 +221,8 @@ def evaluate(
         # the ranker the pools were fitted to, with its full KV: what compression costs
         models["uncompressed"] = ckpt_marker["base_checkpoint"]
     table = users.to_arrow()
-    for name, ck in models.items():
+    # with the prior, the fusion's pass ranks the ranker too (at weight 0)
+    for name, ck in ((n, c) for n, c in models.items() if not (item_prior and n == "ranker")):
         log.info("scoring %d users with %s (%s)", users.height, name, ck)
         res = map_with_rankers(
             table,
@@ -333,6 +333,10 @@ def evaluate(
                 "dataset": marker["name"],
                 "checkpoint": checkpoint,
                 "users": users.height,
+                # what Serve reads when given this report: what was measured, by version
+                "user_states": user_states,
+                "item_prior": storage.pinned(item_prior) if item_prior else None,
+                "fusion_weight": fusion["weight"] if fusion else None,
             }
         )
     except BaseException:
@@ -372,10 +376,8 @@ def metrics_table(dataset: str, users: int, metrics: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.evaluate", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+    p = cli.job_parser("evaluate", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="the prepared dataset the ranker learned")
     p.add_argument("--checkpoint", help="a published ranker checkpoint folder")
     p.add_argument(
         "--user-states",
@@ -402,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         help="an item prior (fit_item_prior): adds the prior alone and the ranker fused with it, "
         "the weight picked on the validation split",
     )
-    p.add_argument("--actors", type=int, default=2)
-    a = p.parse_args(argv)
+    p.add_argument("--actors", type=int, default=2, help="scoring actors (Ray Data map_batches)")
+    a = cli.parse(p, argv)
     return jobs.run(
         lambda: evaluate(
             a.dataset_uri,

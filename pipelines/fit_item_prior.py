@@ -34,8 +34,8 @@ import torch
 
 from artifacts import storage
 from artifacts.data import user_sequences
-from artifacts.errors import InputError
 from artifacts.prior import PRIOR_FILE, prior_table
+from models.errors import InputError
 from models.item_prior import (
     KINDS,
     ItemPrior,
@@ -47,7 +47,7 @@ from models.item_prior import (
     sparsify,
 )
 from models.metrics import hit_at_k, ndcg_at_k, ranks_from_scores
-from pipelines.common import jobs
+from pipelines.common import cli, jobs
 
 log = logging.getLogger("kvrank.fit_item_prior")
 
@@ -209,10 +209,8 @@ def ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     d = PriorConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.fit_item_prior", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+    p = cli.job_parser("fit_item_prior", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="the prepared dataset to fit on")
     p.add_argument("--out", required=True, help="output root (local path or s3://)")
     p.add_argument("--run", default=None, help="default: <dataset>-prior")
     p.add_argument(
@@ -226,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recent", type=ints, default=None, help="newest items voting (per kind)")
     p.add_argument("--decay", type=floats, default=None, help="vote decay (default: per kind)")
     p.add_argument("--val-users", type=int, default=2000, help="0: every user")
-    a = p.parse_args(argv)
+    a = cli.parse(p, argv)
     return jobs.run(
         lambda: fit_item_prior(
             a.dataset_uri,

@@ -21,7 +21,6 @@ shape) - what ``train_ranker --teacher-labels`` reads.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -30,8 +29,8 @@ import pyarrow as pa
 
 from artifacts import storage
 from artifacts.data import item_titles, training_windows, user_sequences
-from artifacts.errors import InputError
-from pipelines.common import jobs
+from models.errors import InputError
+from pipelines.common import cli, jobs
 
 
 def labels_uri(out: str, dataset: str, teacher_run: str) -> str:
@@ -223,10 +222,8 @@ def label(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.label_teacher", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+    p = cli.job_parser("label_teacher", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="the prepared dataset to label")
     p.add_argument("--teacher", required=True, help="a published teacher (train_teacher)")
     p.add_argument("--out", required=True, help="labels go to <out>/teacher_labels/<ds>/<run>/")
     p.add_argument("--cuts", type=int, default=4, help="cut points per window")
@@ -236,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-windows", type=int, default=0, help="label a seeded sample of windows (0: all)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled cuts and negatives")
     p.add_argument("--actors", type=int, default=0, help="teacher actors (0: CPUs - 1)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per teacher forward")
     p.add_argument(
@@ -244,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         default="hf",
         help="hf (PyTorch forwards) or vllm (pipelines.common.vllm_engine)",
     )
-    a = p.parse_args(argv)
+    a = cli.parse(p, argv)
     return jobs.run(
         lambda: label(
             a.dataset_uri,

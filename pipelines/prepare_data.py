@@ -34,8 +34,8 @@ import numpy as np
 import polars as pl
 
 from artifacts import storage
-from artifacts.errors import InputError
-from pipelines.common import jobs, sources
+from models.errors import InputError
+from pipelines.common import cli, jobs, sources
 
 log = logging.getLogger("kvrank.prepare_data")
 
@@ -242,9 +242,7 @@ def load_dataset(uri: str) -> dict[str, pl.DataFrame]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.prepare_data", description=__doc__.split("\n")[0]
-    )
+    p = cli.job_parser("prepare_data", __doc__)
     p.add_argument(
         "--dataset",
         required=True,
@@ -257,8 +255,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-dir",
         help="folder with the built-in datasets (default: $KVRANK_DATA_DIR, ../shared/data)",
     )
-    p.add_argument("--negatives", type=int, default=PrepareConfig.negatives)
-    p.add_argument("--seed", type=int, default=PrepareConfig.seed)
+    p.add_argument(
+        "--negatives",
+        type=int,
+        default=PrepareConfig.negatives,
+        help="sampled negatives stored per test user (the sampled metrics)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=PrepareConfig.seed, help="seed of the sampled negatives"
+    )
     p.add_argument(
         "--rating-thresholds",
         default=",".join(map(str, DEFAULT_THRESHOLDS)),
@@ -266,21 +271,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g = p.add_argument_group("bring your own data")
     g.add_argument("--items", help="items file (csv, tsv or parquet; local or s3://)")
-    g.add_argument("--item-id-col", default="item_id")
+    g.add_argument("--item-id-col", default="item_id", help="the items file's id column")
     g.add_argument(
         "--text-cols", default="title", help="comma-separated text columns, joined with ' | '"
     )
     g.add_argument("--interactions", help="interaction rows: user, item, timestamp[, rating]")
-    g.add_argument("--user-col", default="user_id")
-    g.add_argument("--item-col", default="item_id")
-    g.add_argument("--time-col", default="timestamp")
-    g.add_argument("--rating-col", default=None)
+    g.add_argument("--user-col", default="user_id", help="the interactions' user column")
+    g.add_argument("--item-col", default="item_id", help="the interactions' item column")
+    g.add_argument(
+        "--time-col", default="timestamp", help="the interactions' time column (orders history)"
+    )
+    g.add_argument(
+        "--rating-col", default=None, help="the interactions' rating column (feedback buckets)"
+    )
     g.add_argument(
         "--sequences", help="one row per user: user id and space-separated item ids in order"
     )
-    g.add_argument("--seq-user-col", default="user_id")
-    g.add_argument("--seq-items-col", default="item_ids")
-    return p.parse_args(argv)
+    g.add_argument("--seq-user-col", default="user_id", help="the sequences' user column")
+    g.add_argument("--seq-items-col", default="item_ids", help="the sequences' item-ids column")
+    return cli.parse(p, argv)
 
 
 def source_from_args(a: argparse.Namespace) -> sources.Source:

@@ -1,7 +1,7 @@
 """Fit the CollectiveKV pools of a trained ranker: initialise them from its KV, then fine-tune.
 
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
-        --checkpoint out/checkpoints/ml-latest-small-text --out out \\
+        --checkpoint out/checkpoints/ml-latest-small-text-id --out out \\
         [--pool-size auto|M] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
         [--run NAME] [--resume] [--base-distill-weight W] [--tune all|kv] [--init-tokens N]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
@@ -49,9 +49,9 @@ import sys
 import time
 
 from artifacts import storage
-from artifacts.errors import InputError
 from models.config import CollectiveKVConfig
-from pipelines.common import jobs
+from models.errors import InputError
+from pipelines.common import cli, jobs
 from pipelines.common.kv_inputs import cached_tokens, collect_kv_inputs
 
 log = logging.getLogger("kvrank.train_kv_pool")
@@ -252,10 +252,8 @@ def fit(
 def main(argv: list[str] | None = None) -> int:
     from pipelines.common.ranker_training import add_train_args, train_config
 
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.train_kv_pool", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+    p = cli.job_parser("train_kv_pool", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="the prepared dataset the ranker learned")
     p.add_argument("--checkpoint", required=True, help="the trained (uncompressed) ranker")
     p.add_argument("--out", required=True, help="checkpoints go to <out>/checkpoints/<run>/")
     p.add_argument("--run", default=None, help="default: <dataset>-ckv-m<M>-u<d_u>")
@@ -276,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         default="kv",
         help="what the pools carry: kv (both, the method), k or v (the other stored in full)",
     )
-    g.add_argument("--peak-weight", type=float, default=0.01)
-    g.add_argument("--balance-weight", type=float, default=0.01)
+    g.add_argument(
+        "--peak-weight", type=float, default=0.01, help="weight of the routers' peak loss"
+    )
+    g.add_argument(
+        "--balance-weight",
+        type=float,
+        default=0.01,
+        help="weight of the routers' balance loss (pool entries used evenly)",
+    )
     g.add_argument(
         "--kv-rank",
         type=int,
@@ -318,25 +323,20 @@ def main(argv: list[str] | None = None) -> int:
         ema_decay=0.0,
         base_distill_weight=BASE_DISTILL_WEIGHT,
     )
-    a = p.parse_args(argv)
+    a = cli.parse(p, argv)
 
     def job() -> dict:
-        from models.config import ConfigError
-
         if a.init_users < 0 or a.init_tokens < 0:
             raise InputError("--init-users and --init-tokens must be >= 0")
         auto = a.pool_size == "auto"
-        try:
-            ckv = CollectiveKVConfig(
-                # auto: fit() sizes it once it has checked the dataset and checkpoint
-                pool_size=CollectiveKVConfig.pool_size if auto else a.pool_size,
-                user_dim=a.user_dim,
-                peak_weight=a.peak_weight,
-                balance_weight=a.balance_weight,
-                **CollectiveKVConfig.share_flags(a.share),
-            )
-        except ConfigError as e:
-            raise InputError(str(e)) from e
+        ckv = CollectiveKVConfig(
+            # auto: fit() sizes it once it has checked the dataset and checkpoint
+            pool_size=CollectiveKVConfig.pool_size if auto else a.pool_size,
+            user_dim=a.user_dim,
+            peak_weight=a.peak_weight,
+            balance_weight=a.balance_weight,
+            **CollectiveKVConfig.share_flags(a.share),
+        )
         if a.kv_rank < 0:
             raise InputError(f"--kv-rank must be >= 0, got {a.kv_rank}")
         return fit(

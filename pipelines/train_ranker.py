@@ -3,7 +3,7 @@
     python -m pipelines.train_ranker --dataset-uri out/datasets/ml-latest-small \\
         --vectors-uri out/item_vectors/ml-latest-small/minilm-l6-v2-265da472 --out out \\
         [--run NAME]
-        [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text|id|text+id]
+        [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text+id|text|id]
         [--teacher-labels LABELS [--distill-weight 1] [--distill-temperature 1]]
 
 An epoch is every user's history cut into windows of ``--max-len`` + 1 items (each item a
@@ -23,15 +23,15 @@ the average, not the raw weights, is what is validated and published.
 
 After every epoch the workers compute validation NDCG@10 over the full catalog for
 ``--val-users`` users (split across workers, each user's validation item ranked against every
-item not in their history, by the served score or, with ``--val-score dot``, by the user token's
-dot product alone - cheap enough for every user of a small dataset), and rank 0 reports a
-checkpoint (weights, their average, ranker config, optimizer, progress). Ray Train keeps them under
-``<out>/checkpoints/<run>/train/``; ``FailureConfig`` restarts failed workers from the latest
-one; ``--resume`` starts a new attempt from the latest checkpoint of earlier attempts. Training
-stops early after ``--patience`` epochs without a better validation score. The best epoch is
-then published to ``<out>/checkpoints/<run>/``: ``model.pt``, ``ranker.json``, ``metrics.json``
-(per-epoch history) and ``_SUCCESS.json`` naming the best epoch - the checkpoint the other jobs
-load.
+item not in their history, by default by the user token's dot product alone - cheap enough for
+every user of a small dataset - or, with ``--val-score served``, by the served score), and rank 0
+reports a checkpoint (weights, their average, ranker config, optimizer, progress). Ray Train
+tracks them under ``<out>/checkpoints/<run>/train/`` (``CheckpointConfig``: the best few by
+validation NDCG@10 and the latest); ``FailureConfig`` restarts failed workers from the latest;
+``--resume`` continues the run from it. Training stops early after ``--patience`` epochs
+without a better validation score. The best epoch is then published to
+``<out>/checkpoints/<run>/``: ``model.pt``, ``ranker.json``, ``metrics.json`` (per-epoch
+history) and ``_SUCCESS.json`` naming the best epoch - the checkpoint the other jobs load.
 """
 
 from __future__ import annotations
@@ -40,23 +40,24 @@ import argparse
 import sys
 
 from artifacts import storage
-from models.config import ITEM_INPUTS, CollectiveKVConfig, RankerConfig
-from pipelines.common import jobs
+from models.config import CollectiveKVConfig, RankerConfig
+from pipelines.common import cli, jobs
 from pipelines.common.ranker_training import TrainConfig, add_train_args, train, train_config
 
+RANKER_OPTIONS = ("item_input", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim")
+RANKER_OPTIONS += ("ffn_dim", "dropout")
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.train_ranker", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.job_parser("train_ranker", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="a prepared dataset (prepare_data)")
     p.add_argument(
         "--vectors-uri", help="item_vectors folder (default: the default encoder's under --out)"
     )
     p.add_argument(
         "--out", required=True, help="output root; checkpoints go to <out>/checkpoints/<run>/"
     )
-    p.add_argument("--run", default=None, help="run name (default: <dataset>-<item-input>)")
+    p.add_argument("--run", default=None, help="run name (default: <dataset>-<item-input>, + as -)")
     p.add_argument(
         "--resume", action="store_true", help="continue from the run's latest checkpoint"
     )
@@ -65,25 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="a label_teacher folder: train on its examples with the distillation term",
     )
-    p.add_argument(
-        "--item-input",
-        choices=ITEM_INPUTS,
-        default="text",
-        help="text: encoder vectors; id: learned id embeddings (the baseline); text+id: encoder "
-        "vectors plus a learned per-item residual",
-    )
     add_train_args(p)
-    g = p.add_argument_group("ranker shape (CPU-sized defaults)")
-    g.add_argument("--d-model", type=int, default=64)
-    g.add_argument("--n-layers", type=int, default=2)
-    g.add_argument("--n-heads", type=int, default=8)
-    g.add_argument("--n-kv-heads", type=int, default=4)
-    g.add_argument("--head-dim", type=int, default=64)
-    g.add_argument("--ffn-dim", type=int, default=192)
-    g.add_argument("--dropout", type=float, default=0.2)
-    g.add_argument("--pool-size", type=int, default=0, help="CollectiveKV pool size M (0: off)")
+    cli.add_fields(p, RankerConfig, "ranker", only=RANKER_OPTIONS)
+    g = p.add_argument_group("CollectiveKV trained from scratch (train_kv_pool fits it instead)")
+    g.add_argument("--pool-size", type=int, default=0, help="pool size M (0: a plain KV cache)")
     g.add_argument("--user-dim", type=int, default=1, help="CollectiveKV d_u")
-    return p.parse_args(argv)
+    return p
 
 
 def configs_from_args(
@@ -91,29 +79,23 @@ def configs_from_args(
 ) -> tuple[RankerConfig, TrainConfig]:
     tc = train_config(a)
     ckv = CollectiveKVConfig(pool_size=a.pool_size, user_dim=a.user_dim) if a.pool_size else None
-    rc = RankerConfig(
-        item_dim=a.d_model if a.item_input == "id" else 384,
-        d_model=a.d_model,
-        n_layers=a.n_layers,
-        n_heads=a.n_heads,
-        n_kv_heads=a.n_kv_heads,
-        head_dim=a.head_dim,
-        ffn_dim=a.ffn_dim,
-        dropout=a.dropout,
+    rc = cli.from_args(
+        a,
+        RankerConfig,
+        item_dim=a.d_model if a.item_input == "id" else RankerConfig.item_dim,
         feedback_classes=feedback_classes,
         collective_kv=ckv,
-        item_input=a.item_input,
     )
     return rc, tc
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    a = cli.parse(build_parser(), argv)
 
     def job() -> dict:
         marker = storage.read_marker(a.dataset_uri)
         rc, tc = configs_from_args(a, int(marker.get("feedback_classes", 5)))
-        run = a.run or f"{marker['name']}-{a.item_input}"
+        run = a.run or f"{marker['name']}-{a.item_input.replace('+', '-')}"
         vectors = a.vectors_uri
         if vectors is None and a.item_input != "id":
             from artifacts.data import encoder_tag, vectors_uri

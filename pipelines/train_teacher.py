@@ -3,7 +3,7 @@
     python -m pipelines.train_teacher --dataset-uri out/datasets/ml-latest-small --out out \\
         [--run NAME] [--kind causal|cross] [--workers 1] [--epochs 4] [--cuts 1]
         [--negatives 7] [--resume] [--lr (by kind)] [--max-length (by kind)]
-        [--d-model 128] [--n-layers 2] [--max-history 20] [--random-init]
+        [--d-model 128] [--n-layers 2] [--max-history 20] [--no-init-from-encoder]
 
 Two kinds of teacher (``models.teacher``): ``causal`` (the default), a small Llama trained from
 scratch whose score is a "yes" logit - the form vLLM serves with prefix caching, the serving
@@ -45,24 +45,20 @@ import torch
 
 from artifacts import storage
 from artifacts.data import item_titles, training_windows, user_sequences
-from artifacts.errors import InputError
-from models.config import TEACHER_KINDS, TeacherConfig
+from models.config import TeacherConfig
+from models.errors import InputError
 from models.metrics import summarize
-from pipelines.common import jobs
+from pipelines.common import cli, jobs
 from pipelines.common.teachers import sampled_ranks
 from pipelines.common.training import (
     BaseTrainConfig,
-    add_config_args,
     all_sum,
-    config_from_args,
     epoch_shuffled,
     fit,
     open_file,
-    out_of_time,
-    progress,
-    report_epoch,
     restored_state,
-    resume_point,
+    resume_check,
+    train_epochs,
 )
 from pipelines.common.validation import sample_val
 
@@ -116,8 +112,7 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(tc.seed)
     teacher = build_teacher(mc)
     titles = item_titles(config["dataset_uri"])
-    state = restored_state(config)
-    start_epoch, best, bad, history = progress(state)
+    state = restored_state()
     if state is not None:
         teacher.load_state_dict(state["model"])
     model = ray.train.torch.prepare_model(teacher)
@@ -126,42 +121,25 @@ def train_loop(config: dict) -> None:
         opt.load_state_dict(state["optimizer"])
     val = config["val"]
     mine = list(range(rank, len(val["valid"]), world))
-    shard = ray.train.get_dataset_shard("train")
-    started = time.perf_counter()
-    for epoch in range(start_epoch, tc.epochs):
-        t0 = time.perf_counter()
-        model.train()
-        rng = np.random.default_rng([tc.seed, epoch, rank])
-        losses, steps = [], 0
-        for batch in shard.iter_batches(
-            batch_size=tc.batch_size,
-            batch_format="numpy",
-            local_shuffle_buffer_size=4 * tc.batch_size,
-            local_shuffle_seed=tc.seed + epoch,
-        ):
-            examples = []
-            for v, f in zip(batch["hist"], batch["hist_fb"], strict=True):
-                wv, wf = sample_window(v, f, rng, tc.max_len)
-                t, cands = sample_candidates(
-                    wv, rng, n_items=len(titles), cuts=tc.cuts, negatives=tc.negatives
-                )
-                examples += examples_for(wv, wf, t, cands, titles)
-            logits = model(teacher.tokenize(teacher.prompts(examples)))
-            logits = logits.view(-1, 1 + tc.negatives)
-            loss = torch.nn.functional.cross_entropy(
-                logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device)
+
+    def step(batch: dict, rng) -> tuple[torch.Tensor, dict[str, float]]:
+        """The teacher's loss on one batch: softmax over each cut's prompts (positive first)."""
+        examples = []
+        for v, f in zip(batch["hist"], batch["hist_fb"], strict=True):
+            wv, wf = sample_window(v, f, rng, tc.max_len)
+            t, cands = sample_candidates(
+                wv, rng, n_items=len(titles), cuts=tc.cuts, negatives=tc.negatives
             )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            steps += 1
-            if steps % 50 == 0 and rank == 0:
-                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(losses)))
-            if steps == tc.max_steps:
-                break
-        train_seconds = time.perf_counter() - t0
+            examples += examples_for(wv, wf, t, cands, titles)
+        logits = model(teacher.tokenize(teacher.prompts(examples)))
+        logits = logits.view(-1, 1 + tc.negatives)
+        loss = torch.nn.functional.cross_entropy(
+            logits, torch.zeros(len(logits), dtype=torch.long, device=logits.device)
+        )
+        return loss, {"loss": loss.item()}
+
+    def validation(_) -> dict[str, float]:
+        """Sampled NDCG@10 of this worker's validation users, summed over every worker."""
         teacher.eval()
         ranks = sampled_ranks(
             teacher,
@@ -173,33 +151,27 @@ def train_loop(config: dict) -> None:
             batch_size=64,
         )
         got = summarize(ranks)
-        nd, hr = got["ndcg10"] * len(ranks), got["hr10"] * len(ranks)
-        nd, hr, n, loss_sum, loss_n = all_sum([nd, hr, len(ranks), sum(losses), len(losses)], world)
-        val_ndcg = nd / max(n, 1)
-        best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
-        metrics = {
-            "epoch": epoch,
-            "loss": loss_sum / max(loss_n, 1),
-            "val_sampled_ndcg10": val_ndcg,
+        nd, hr, n = all_sum(
+            [got["ndcg10"] * len(ranks), got["hr10"] * len(ranks), len(ranks)], world
+        )
+        return {
+            "val_sampled_ndcg10": nd / max(n, 1),
             "val_sampled_hr10": hr / max(n, 1),
             "val_users": int(n),
-            "best_val_sampled_ndcg10": best,
-            "steps": steps,
-            "train_seconds": train_seconds,
-            "epoch_seconds": time.perf_counter() - t0,
         }
-        history.append(metrics)
-        state = {
-            "model": teacher.state_dict(),
-            "optimizer": opt.state_dict(),
-            "epoch": epoch,
-            "best": best,
-            "bad": bad,
-            "history": history,
-        }
-        report_epoch(rank, state, metrics)
-        if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
-            break
+
+    train_epochs(
+        model,
+        opt,
+        tc,
+        rank=rank,
+        world=world,
+        state=state,
+        step=step,
+        validate=validation,
+        score="val_sampled_ndcg10",
+        log_every=50,
+    )
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -228,13 +200,12 @@ def train(
         raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
     root = teacher_uri(out, run)
     train_root = storage.join(root, "train")
-    resume_from = resume_point(train_root, run, resume)
+    resume_check(train_root, run, resume)
     init_ray()
     config = {
         "train": dataclasses.asdict(tc),
         "teacher": mc.to_dict(),
         "dataset_uri": dataset_uri,
-        "resume_from": resume_from,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
         "val": sample_val(
             dataset_uri, tc.val_users, tc.seed, ("hist", "hist_fb", "valid", "negatives")
@@ -249,7 +220,7 @@ def train(
         rows.height * tc.cuts * (1 + tc.negatives),
         tc.workers,
     )
-    checkpoints = fit(
+    trained = fit(
         train_loop,
         config,
         train_root=train_root,
@@ -257,9 +228,9 @@ def train(
         workers=tc.workers,
         use_gpu=tc.use_gpu,
         max_failures=tc.max_failures,
+        score="val_sampled_ndcg10",
     )
-    history = [metrics for _, metrics in checkpoints]
-    best_dir, best = max(checkpoints, key=lambda e: e[1]["val_sampled_ndcg10"])
+    history, best, best_dir = trained.history, trained.best_metrics, trained.best
     state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
     teacher = build_teacher(mc)
     teacher.load_state_dict(state["model"])
@@ -306,52 +277,36 @@ def train(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipelines.train_teacher", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--dataset-uri", required=True)
+TEACHER_OPTIONS = ("kind", "d_model", "n_layers", "n_heads", "ffn_dim", "max_length")
+TEACHER_OPTIONS += ("max_history", "init_from_encoder")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.job_parser("train_teacher", __doc__)
+    p.add_argument("--dataset-uri", required=True, help="a prepared dataset (prepare_data)")
     p.add_argument("--out", required=True, help="the teacher goes to <out>/teachers/<run>/")
     p.add_argument("--run", default=None, help="run name (default: <dataset>-teacher)")
     p.add_argument("--resume", action="store_true", help="continue the run's latest checkpoint")
-    add_config_args(p, TeacherTrainConfig, "training")
-    p.set_defaults(lr=None)  # by --kind, below
-    g = p.add_argument_group("teacher")
-    g.add_argument(
-        "--kind",
-        choices=TEACHER_KINDS,
-        default="causal",
-        help="causal: a small Llama on the MiniLM tokenizer, from scratch (vLLM serves it); "
-        "cross: a cross-encoder fine-tuned from the pretrained MiniLM (models.teacher)",
-    )
-    base = TeacherConfig()
-    for name in ("d_model", "n_layers", "n_heads", "ffn_dim", "max_history"):
-        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(base, name))
-    g.add_argument("--max-length", type=int, default=None, help="prompt tokens (default: by kind)")
-    g.add_argument(
-        "--random-init",
-        action="store_true",
-        help="causal: random token embeddings instead of MiniLM's projected to --d-model; "
-        "cross: MiniLM's shape with random weights",
-    )
-    a = p.parse_args(argv)
+    cli.add_fields(p, TeacherTrainConfig, "training")
+    cli.add_fields(p, TeacherConfig, "teacher", only=TEACHER_OPTIONS)
+    for name in KIND_DEFAULTS["causal"]:  # by --kind
+        action = next(x for x in p._actions if x.dest == name)
+        action.default = None
+        by_kind = ", ".join(f"{k} {d[name]}" for k, d in KIND_DEFAULTS.items())
+        action.help = f"{action.help} (default: by --kind: {by_kind})"
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = cli.parse(build_parser(), argv)
     for name, value in KIND_DEFAULTS[a.kind].items():
         if getattr(a, name) is None:
             setattr(a, name, value)
 
     def job() -> dict:
         marker = storage.read_marker(a.dataset_uri)
-        mc = TeacherConfig(
-            kind=a.kind,
-            d_model=a.d_model,
-            n_layers=a.n_layers,
-            n_heads=a.n_heads,
-            ffn_dim=a.ffn_dim,
-            max_length=a.max_length,
-            max_history=a.max_history,
-            init_from_encoder=not a.random_init,
-        )
-        tc = config_from_args(a, TeacherTrainConfig)
+        mc = cli.from_args(a, TeacherConfig)
+        tc = cli.from_args(a, TeacherTrainConfig)
         run = a.run or f"{marker['name']}-{'cross-' if a.kind == 'cross' else ''}teacher"
         return train(a.dataset_uri, a.out, run, mc, tc, a.resume)
 

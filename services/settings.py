@@ -11,41 +11,50 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-
-class SettingsError(ValueError):
-    pass
+from models.config import option
+from models.errors import InputError
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    manifest_uri: str  # a published user_states folder (build_user_states): the ONE input
-    # where the store keeps its write-ahead log and snapshots; default <out>/serving/<run>
-    store_uri: str | None = None
-    shards: int = 2  # UserStateStore shards; a user lives in shard user_id % shards
-    snapshot_every: int = 1000  # events per shard between snapshots (the log is then cut)
-    max_candidates: int = 2048  # per /v1/rank request
-    max_k: int = 1000
-    max_body_bytes: int = 1 << 20
+    manifest_uri: str = option(
+        "",
+        "what to serve: an evaluate report over stored states (evaluate --user-states "
+        "--item-prior), which names the states, their ranker, the prior and the fusion weight it "
+        "measured; or a build_user_states folder (the ranker alone, or with item_prior_*)",
+    )
+    store_uri: str | None = option(
+        None, "where the store keeps its write-ahead log and snapshots (<out>/serving/<run>)"
+    )
+    shards: int = option(2, "UserStateStore shards; a user lives in shard user_id % shards")
+    snapshot_every: int = option(1000, "events per shard between snapshots (the log is cut)")
+    max_candidates: int = option(2048, "candidates per /v1/rank request at most")
+    max_k: int = option(1000, "k per request at most")
+    max_body_bytes: int = option(1 << 20, "request body bytes at most")
     # ranker replicas: stateless, autoscaled on ongoing requests
-    ranker_min_replicas: int = 1
-    ranker_max_replicas: int = 2
-    ranker_target_ongoing_requests: float = 16.0
-    ranker_max_ongoing_requests: int = 64
-    ranker_num_cpus: float = 0.5
-    ranker_num_gpus: float = 0.0  # 1 in production: model, item table and pools on the GPU
-    batch_max_size: int = 16  # requests scored in one forward pass
-    batch_wait_timeout_s: float = 0.005
-    torch_threads: int = 1
-    ingress_num_cpus: float = 0.25
-    store_num_cpus: float = 0.25
+    ranker_min_replicas: int = option(1, "Ranker replicas at least")
+    ranker_max_replicas: int = option(2, "Ranker replicas at most")
+    ranker_target_ongoing_requests: float = option(16.0, "autoscaling target per replica")
+    ranker_max_ongoing_requests: int = option(64, "requests a Ranker replica holds at once")
+    ranker_num_cpus: float = option(0.5, "CPUs per Ranker replica")
+    ranker_num_gpus: float = option(0.0, "GPUs per Ranker replica (1 in production)")
+    batch_max_size: int = option(16, "requests scored in one forward pass")
+    batch_wait_timeout_s: float = option(0.005, "seconds a batch waits to fill")
+    torch_threads: int = option(1, "torch threads per Ranker replica")
+    ingress_num_cpus: float = option(0.25, "CPUs of the ingress")
+    store_num_cpus: float = option(0.25, "CPUs per store shard")
     # the ingress and the stores only wait on others: let them hold many requests, or Serve's
     # router backs off at their limit and throughput collapses under load
-    ingress_max_ongoing_requests: int = 512
-    store_max_ongoing_requests: int = 256
-    # the item-to-item prior (fit_item_prior) fused into every ranking: score = ranker +
-    # item_prior_weight x prior; the weight is evaluate --item-prior's pick for this ranker
-    item_prior_uri: str | None = None
-    item_prior_weight: float = 0.0
+    ingress_max_ongoing_requests: int = option(512, "requests the ingress holds at once")
+    store_max_ongoing_requests: int = option(256, "requests a store shard holds at once")
+    item_prior_uri: str | None = option(
+        None,
+        "with a user_states manifest: an item prior (fit_item_prior) fused into every ranking, "
+        "ranker + weight x prior (a report manifest names its own)",
+    )
+    item_prior_weight: float = option(
+        0.0, "with item_prior_uri: the fusion weight, evaluate --item-prior's pick"
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -64,34 +73,31 @@ class ServeSettings:
         )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.ranker_min_replicas > self.ranker_max_replicas:
-            raise SettingsError("ranker_min_replicas must be <= ranker_max_replicas")
+            raise InputError("ranker_min_replicas must be <= ranker_max_replicas")
         if not self.manifest_uri:
-            raise SettingsError("manifest_uri is required: a build_user_states output folder")
+            raise InputError("manifest_uri is required: a build_user_states output folder")
         if self.item_prior_uri and self.item_prior_weight <= 0:
-            raise SettingsError(
+            raise InputError(
                 "item_prior_uri needs item_prior_weight > 0: the weight evaluate --item-prior "
                 "picked for this ranker (its metrics.json, ranker_prior.fusion.weight)"
             )
         if self.item_prior_weight and not self.item_prior_uri:
-            raise SettingsError("item_prior_weight is set but item_prior_uri is not")
+            raise InputError("item_prior_weight is set but item_prior_uri is not")
 
     def resolved_store_uri(self) -> str:
-        if self.store_uri:
-            return self.store_uri
-        from artifacts import storage
-
-        root, run = storage.root_of(self.manifest_uri).rstrip("/").rsplit("/", 1)
-        parent = root.rsplit("/", 1)[0] if root.rstrip("/").endswith("user_states") else root
-        return f"{parent}/serving/{run}"
+        return self.store_uri or _store_of(self.manifest_uri)
 
     def pinned(self) -> ServeSettings:
         """These settings with the published inputs resolved to their current versions, so
         that every replica (a restarted one too) serves the same versions while newer ones are
-        published."""
+        published. A report manifest becomes the states, prior and weight it names."""
         from artifacts import storage
 
+        marker = storage.read_marker(self.manifest_uri)
+        if marker.get("kind") == "report":
+            return self._measured(marker)
         prior = self.item_prior_uri
         return dataclasses.replace(
             self,
@@ -99,12 +105,34 @@ class ServeSettings:
             item_prior_uri=storage.resolve(prior) if prior else None,
         )
 
+    def _measured(self, report: dict) -> ServeSettings:
+        """The settings that serve what the evaluate ``report`` measured: its stored states,
+        and the prior at the weight it picked."""
+        if not report.get("user_states"):
+            raise InputError(
+                f"{report['uri']} evaluated a checkpoint, not stored states: serve the report of "
+                "evaluate --user-states, or the build_user_states folder"
+            )
+        if self.item_prior_uri or self.item_prior_weight:
+            raise InputError(
+                "item_prior_uri / item_prior_weight are set, but the report manifest names the "
+                "prior and the weight it measured: give one or the other"
+            )
+        prior, weight = report.get("item_prior"), float(report.get("fusion_weight") or 0.0)
+        return dataclasses.replace(
+            self,
+            manifest_uri=report["user_states"],  # a version folder: pinned when evaluated
+            store_uri=self.store_uri or _store_of(report["user_states"]),
+            item_prior_uri=prior if prior and weight > 0 else None,
+            item_prior_weight=weight if prior else 0.0,
+        )
+
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeSettings:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(args) - set(fields))
         if unknown:
-            raise SettingsError(f"unknown setting(s): {', '.join(unknown)}")
+            raise InputError(f"unknown setting(s): {', '.join(unknown)}")
         values = {}
         for name, value in args.items():
             kind = type(fields[name].default) if name != "manifest_uri" else str
@@ -113,11 +141,11 @@ class ServeSettings:
             if kind is bool and isinstance(value, str):
                 value = {"true": True, "false": False}.get(value.lower(), value)
                 if isinstance(value, str):
-                    raise SettingsError(f"{name}: {value!r} is not true or false")
+                    raise InputError(f"{name}: {value!r} is not true or false")
             try:
                 values[name] = kind(value) if value is not None else None
             except (TypeError, ValueError) as e:
-                raise SettingsError(f"{name}: {value!r} is not a {kind.__name__}") from e
+                raise InputError(f"{name}: {value!r} is not a {kind.__name__}") from e
         from artifacts import storage
 
         # replicas do not share the caller's working directory: pin relative paths now
@@ -125,3 +153,12 @@ class ServeSettings:
             if values.get(name):
                 values[name] = storage.absolute(values[name])
         return cls(**values)
+
+
+def _store_of(states_uri: str) -> str:
+    """The store's default folder for a user_states folder: <out>/serving/<run>."""
+    from artifacts import storage
+
+    root, run = storage.root_of(states_uri).rstrip("/").rsplit("/", 1)
+    parent = root.rsplit("/", 1)[0] if root.rstrip("/").endswith("user_states") else root
+    return f"{parent}/serving/{run}"

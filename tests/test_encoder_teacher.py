@@ -164,8 +164,8 @@ def test_cross_teacher_fine_tunes_to_a_text_rule():
 
 
 def test_teacher_config_rejects_an_unknown_kind():
-    from models.config import ConfigError
+    from models.errors import InputError
 
-    with pytest.raises(ConfigError, match="kind must be one of causal, cross"):
+    with pytest.raises(InputError, match="kind must be one of causal, cross"):
         TeacherConfig(kind="seq2seq")
     assert TeacherConfig.from_json(TeacherConfig().to_json()).kind == "causal"

@@ -89,6 +89,11 @@ def test_evaluate_fuses_the_prior_with_the_ranker_at_the_weight_validation_picks
     )
     for m in ("item_prior", "ranker_prior"):
         assert 0 <= s[f"{m}_full_ndcg10"] <= s[f"{m}_full_hr10"] <= 1
+    from models.errors import InputError
+    from services.settings import ServeSettings
+
+    with pytest.raises(InputError, match="evaluated a checkpoint, not stored states"):
+        ServeSettings(manifest_uri=s["report"]).pinned()
 
     # the actor itself: at weight 0 the fused ranks are the ranker's own, and the prior's
     # ranks are its scores' ranks over the catalog minus the user's input
@@ -120,7 +125,7 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
     from pipelines.common.scoring import PriorFusionRanks
 
     ds, out, built = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["states"]
-    prior, _, report = fused_evaluation(capsys, ds, out, ["--user-states", built["user_states"]])
+    prior, s, report = fused_evaluation(capsys, ds, out, ["--user-states", built["user_states"]])
     assert set(report["metrics"]) == {
         "ranker",
         "uncompressed",
@@ -139,3 +144,15 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
     fused = PriorFusionRanks(ck, None, 1, True, prior["out"])(batch)
     ranker = ScoreUsers(ck, None, 1, True)(batch)
     np.testing.assert_array_equal(fused["fused_full_rank_0"], ranker["full_rank"])
+
+    # the report is what Serve loads: the states, the prior and the weight it measured
+    from models.errors import InputError
+    from services.settings import ServeSettings
+
+    served = ServeSettings(manifest_uri=s["report"]).pinned()
+    assert served.manifest_uri == storage.pinned(built["user_states"])
+    assert served.item_prior_weight == s["fusion_weight"]
+    assert served.item_prior_uri == (storage.pinned(prior["out"]) if s["fusion_weight"] else None)
+    assert served.resolved_store_uri() == ServeSettings(built["user_states"]).resolved_store_uri()
+    with pytest.raises(InputError, match="give one or the other"):
+        ServeSettings(s["report"], item_prior_uri=prior["out"], item_prior_weight=1.0).pinned()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from models.ranker import Ranker
+from benchmarks.kv_sweep import quantize_int8
 from tests.test_ranker import ATOL, CKV_MODES, assert_close, candidates, ragged_history, tiny_ranker
 
 
@@ -46,7 +46,7 @@ def test_int8_kv_baseline_bytes_and_error():
     model = tiny_ranker()
     h, c = ragged_history(), candidates()
     cache = model.prefill(h)
-    q, nbytes = Ranker.quantize_int8(cache)
+    q, nbytes = quantize_int8(cache)
     tokens = int(cache.lengths.sum())  # BOS included
     assert nbytes == tokens * 2 * 2 * 2 * (8 + 2)  # layers * (K, V) * heads * (int8s + scale)
     for a, b in zip(cache.k + cache.v, q.k + q.v, strict=True):

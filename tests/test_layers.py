@@ -2,7 +2,7 @@
 
 - ``models/`` is plain PyTorch (the standard library, torch, numpy, and Hugging Face for the
   text models): no Ray, no storage, no job or service;
-- ``artifacts/`` (URIs and storage, the published formats, errors) builds on ``models/`` only,
+- ``artifacts/`` (URIs and storage, the published formats) builds on ``models/`` only,
   without Ray;
 - ``pipelines/`` holds the jobs; a job never imports another job, only ``pipelines.common``
   (the Ray-side pieces jobs share), which imports no job either;

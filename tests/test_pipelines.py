@@ -13,7 +13,7 @@ import torch
 
 from artifacts import data, storage
 from artifacts.data import item_table, training_windows
-from artifacts.errors import InputError
+from models.errors import InputError
 from pipelines import encode_items, evaluate, prepare_data, train_ranker
 from pipelines.common import ranker_training, training, validation
 from tests.tiny import N_USERS, TINY_SHAPE, base_texts, prepare, run_json, write_catalog
@@ -128,11 +128,12 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     history = json.loads(storage.read_file(root, "metrics.json"))
     assert [h["epoch"] for h in history] == [0, 1]
     assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
-    assert len(training.list_checkpoints(storage.join(root, "train"))) == 2
+    assert marker["source"] != marker["latest"] or marker["best_epoch"] == 1
     # a fresh start under the same run name would mix two trainings: refused, nothing touched
     capsys.readouterr()
     assert train_ranker.main([*base, "--epochs", "2"]) == 2
     assert "pass --resume to continue it" in capsys.readouterr().err
+    assert storage.read_marker(root)["version"] == marker["version"]
     assert json.loads(storage.read_file(root, "metrics.json")) == history
     # distilling from a base needs a fine-tune's base: train_ranker alone has none
     assert train_ranker.main([*base, "--resume", "--base-distill-weight", "1"]) == 2
@@ -150,9 +151,13 @@ def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkey
     assert all(torch.equal(weights[k], v) for k, v in best["published"].items())
     assert any(not torch.equal(best["model"][k], v) for k, v in best["published"].items())
     # the average went on across the resume: it has seen every step of the three epochs
-    last = training.list_checkpoints(storage.join(root, "train"))[-1][0]
-    last_state = torch.load(training.open_file(last, "state.pt"), weights_only=True)
-    assert last_state["averaged_steps"] == sum(h["steps"] for h in history2)
+    last = torch.load(training.open_file(marker["latest"], "state.pt"), weights_only=True)
+    assert last["averaged_steps"] == sum(h["steps"] for h in history2)
+    assert last["history"] == history2
+    # Ray Train kept the best epochs by validation NDCG@10 and the latest, no more
+    run_folder = marker["latest"].rsplit("/", 1)[0]
+    kept = [p for p in os.listdir(run_folder) if p.startswith("checkpoint_2")]  # dated
+    assert len(kept) <= training.KEEP_CHECKPOINTS + 1
 
 
 def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_path):
@@ -172,10 +177,8 @@ def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_pat
     assert first != second and first[:50] != second[:50]  # a capped epoch sees other rows
     assert epochs(0, tmp_path / "b") == [first, second]  # a rerun repeats them
     assert epochs(1, tmp_path / "c")[0] != first
-    # a resumed run (one epoch already checkpointed) does not replay the first run's order
-    done = tmp_path / "d" / "attempt-1" / "checkpoint_0"
-    done.mkdir(parents=True)
-    (done / "metrics.json").write_text(json.dumps({"epoch": 0}))
+    # a resumed run (a second attempt) does not replay the first run's order
+    training.record_attempt(str(tmp_path / "d"))
     assert epochs(0, tmp_path / "d", n=1)[0] not in (first, second)
 
 

@@ -8,7 +8,8 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.collective_kv import compression_ratio, full_kv_bytes, state_bytes_per_token
-from models.config import CollectiveKVConfig, ConfigError, RankerConfig
+from models.config import CollectiveKVConfig, RankerConfig
+from models.errors import InputError
 from models.hf_llama import export_llama, import_llama, llama_config
 from models.ranker import (
     CompressedCache,
@@ -43,6 +44,8 @@ def tiny_config(ckv: CollectiveKVConfig | None = None, **kw) -> RankerConfig:
         ffn_dim=64,
         feedback_classes=5,
         collective_kv=ckv,
+        item_input="text",
+        dropout=0.0,
     )
     return RankerConfig(**(base | kw))
 
@@ -245,13 +248,13 @@ def test_sharing_off_stores_that_half_whole(share):
         with torch.no_grad():
             plain = getattr(model.layers[i].self_attn, f"{whole}_proj")(x).half()
         assert torch.equal(getattr(state.layers[i], f"u_{whole}")[valid], plain[valid])
-    with pytest.raises(ConfigError, match="share K, V or both"):
+    with pytest.raises(InputError, match="share K, V or both"):
         CollectiveKVConfig(share_k=False, share_v=False)
     assert CollectiveKVConfig.share_flags(share) == {
         "share_k": share == "k",
         "share_v": share == "v",
     }
-    with pytest.raises(ConfigError, match="share must be kv, k or v"):
+    with pytest.raises(InputError, match="share must be kv, k or v"):
         CollectiveKVConfig.share_flags("kx")
 
 
@@ -353,11 +356,11 @@ def test_config_round_trips_through_json_and_rejects_conflicts():
     cfg = tiny_config(CollectiveKVConfig(pool_size=256, user_dim=4))
     again = RankerConfig.from_json(cfg.to_json())
     assert again == cfg and isinstance(again.collective_kv, CollectiveKVConfig)
-    with pytest.raises(ConfigError, match=r"n_heads \(6\) must be a multiple of n_kv_heads \(4\)"):
+    with pytest.raises(InputError, match=r"n_heads \(6\) must be a multiple of n_kv_heads \(4\)"):
         tiny_config(n_heads=6, n_kv_heads=4)
-    with pytest.raises(ConfigError, match="user_dim"):
+    with pytest.raises(InputError, match="user_dim"):
         tiny_config(CollectiveKVConfig(pool_size=8, user_dim=16))
-    with pytest.raises(ConfigError, match="unknown field"):
+    with pytest.raises(InputError, match="unknown field"):
         RankerConfig.from_dict({"d_modle": 3})
 
 
@@ -420,7 +423,7 @@ def test_the_adapter_is_one_linear_map_and_old_config_fields_are_refused():
     # fields of retired options: a checkpoint written with them does not load, by name
     for field in ("adapter", "user_token", "time_buckets"):
         old = tiny_config().to_dict() | {field: 0}
-        with pytest.raises(ConfigError, match=f"unknown field.*{field}"):
+        with pytest.raises(InputError, match=f"unknown field.*{field}"):
             RankerConfig.from_dict(old)
 
 

@@ -195,17 +195,18 @@ def test_events_are_durable_across_a_killed_store_replica(served):
 
 
 def test_settings_reject_unknown_and_bad_values():
-    from services.settings import ServeSettings, SettingsError
+    from models.errors import InputError
+    from services.settings import ServeSettings
 
-    with pytest.raises(SettingsError, match="unknown setting"):
+    with pytest.raises(InputError, match="unknown setting"):
         ServeSettings.from_args({"manifest_uri": "m", "shardz": 2})
-    with pytest.raises(SettingsError, match="shards must be > 0"):
+    with pytest.raises(InputError, match="shards must be > 0"):
         ServeSettings.from_args({"manifest_uri": "m", "shards": "0"})
-    with pytest.raises(SettingsError, match="max_k: 'many' is not a int"):
+    with pytest.raises(InputError, match="max_k: 'many' is not a int"):
         ServeSettings.from_args({"manifest_uri": "m", "max_k": "many"})
-    with pytest.raises(SettingsError, match="item_prior_uri needs item_prior_weight > 0"):
+    with pytest.raises(InputError, match="item_prior_uri needs item_prior_weight > 0"):
         ServeSettings.from_args({"manifest_uri": "m", "item_prior_uri": "p"})
-    with pytest.raises(SettingsError, match="item_prior_weight is set but item_prior_uri is not"):
+    with pytest.raises(InputError, match="item_prior_weight is set but item_prior_uri is not"):
         ServeSettings.from_args({"manifest_uri": "m", "item_prior_weight": "0.5"})
 
 

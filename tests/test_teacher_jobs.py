@@ -13,8 +13,8 @@ from torch.testing import assert_close
 
 from artifacts import storage
 from artifacts.data import item_titles, user_sequences
-from artifacts.errors import InputError
 from models.batches import training_batch
+from models.errors import InputError
 from models.ranker import distillation_loss
 from pipelines import label_teacher, train_ranker, train_teacher
 from pipelines.common import ranker_training, teachers

@@ -88,7 +88,7 @@ def tiny_chain(ds: str, out: str, actors: int = 1) -> dict:
     from pipelines import build_user_states, train_kv_pool, train_ranker
     from pipelines.common import ranker_training
 
-    args = train_ranker.parse_args(
+    args = train_ranker.build_parser().parse_args(
         ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1", *TINY_SHAPE]
     )
     rc, tc = train_ranker.configs_from_args(args, 5)

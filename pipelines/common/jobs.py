@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from artifacts import storage
-from artifacts.errors import InputError
+from models.errors import InputError
 
 EXPECTED_ERRORS = (InputError, storage.StorageError)
 

@@ -11,7 +11,7 @@ import polars as pl
 
 from artifacts import storage
 from artifacts.data import user_sequences
-from artifacts.errors import InputError
+from models.errors import InputError
 from pipelines.common.ranker_actors import RankerActor, map_with_rankers
 
 

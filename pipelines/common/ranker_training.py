@@ -21,22 +21,18 @@ import torch
 
 from artifacts import storage
 from artifacts.data import item_table, training_windows, user_sequences
-from artifacts.errors import InputError
-from models.config import RankerConfig
-from pipelines.common import jobs
+from models.config import RankerConfig, option
+from models.errors import InputError
+from pipelines.common import cli, jobs
 from pipelines.common.training import (
     BaseTrainConfig,
-    add_config_args,
-    all_sum,
-    config_from_args,
     epoch_shuffled,
     fit,
     open_file,
-    out_of_time,
-    progress,
-    report_epoch,
     restored_state,
-    resume_point,
+    resume_check,
+    train_epochs,
+    unwrap,
     weight_average,
 )
 from pipelines.common.validation import load_val, validate
@@ -44,7 +40,7 @@ from pipelines.common.validation import load_val, validate
 log = logging.getLogger("kvrank.train_ranker")
 
 
-VAL_SCORES = ("served", "dot")
+VAL_SCORES = ("dot", "served")
 TUNES = ("all", "kv")
 
 
@@ -52,34 +48,45 @@ TUNES = ("all", "kv")
 class TrainConfig(BaseTrainConfig):
     """How to train; the model's shape is the RankerConfig beside it."""
 
-    # weight of the user token's full-catalog softmax over every history position's next item
-    # (0: off; needs a ranker with a user token). On ml-latest-small it lifts validation
-    # NDCG@10 from ~0.02 (sampled negatives alone) to SASRec's level.
-    catalog_weight: float = 1.0
-    # distillation (with --teacher-labels): weight of KL(teacher || ranker) over each labelled
-    # cut's candidates, both softmaxed at this temperature (the term is scaled by T^2)
-    distill_weight: float = 1.0
-    distill_temperature: float = 1.0
-    # a fine-tune from a trained ranker (train_kv_pool): weight of KL(base || ranker) over each
-    # cut's candidates and over the user token's catalog softmax, where base is the trained
-    # ranker the fine-tune started from, frozen, on the same batch (at --distill-temperature).
-    # The compressed ranker then learns to score as the uncompressed one does, not only to
-    # fit the labels again (0: off; train_ranker alone has no base)
-    base_distill_weight: float = 0.0
-    # what a fine-tune trains: "all" the ranker's weights, or only the compressed cache's
-    # ("kv": CollectiveKV routers, pools and user projections, or the low-rank maps), every
-    # other weight frozen at the trained ranker's and run without dropout
-    tune: str = "all"
-    # how validation ranks the catalog: "served" (head + dot by MIS, what serving returns) or
-    # "dot" (the user token's dot product alone: one matrix product, so every user of a small
-    # dataset can be validated each epoch - on ml-latest-small 128 users by the served score
-    # picked epochs whose test NDCG@10 was 0.025-0.038, too noisy to choose from)
-    val_score: str = "served"
-    # validate, checkpoint and publish an exponential moving average of the weights, updated
-    # every optimizer step with this decay (0: the raw weights). On ml-latest-small the raw
-    # weights' validation NDCG@10 swung by more than its noise from epoch to epoch, so the
-    # best epoch was a lucky one; the average moves smoothly (docs/results.md)
-    ema_decay: float = 0.995
+    # the user token's full-catalog softmax: on ml-latest-small it lifts validation NDCG@10
+    # from ~0.02 (sampled negatives alone) to SASRec's level
+    catalog_weight: float = option(
+        1.0,
+        "weight of the user token's softmax over the whole catalog for every next item (0: off)",
+    )
+    distill_weight: float = option(
+        1.0, "with --teacher-labels: weight of KL(teacher || ranker) over each cut's candidates"
+    )
+    distill_temperature: float = option(
+        1.0, "softmax temperature of both distillation terms (scaled by T^2)"
+    )
+    # the compressed ranker learns to score as the uncompressed one does, not only to fit the
+    # labels again
+    base_distill_weight: float = option(
+        0.0,
+        "a fine-tune (train_kv_pool): weight of KL(base || ranker) over each cut's candidates "
+        "and the catalog softmax, base = the trained ranker it starts from, frozen",
+    )
+    tune: str = option(
+        "all",
+        "what a fine-tune trains: all weights, or kv: only the compressed cache's (CollectiveKV "
+        "routers, pools, user projections), the rest frozen and run without dropout",
+        choices=TUNES,
+    )
+    # on ml-latest-small, 128 users by the served score picked epochs whose test NDCG@10 was
+    # 0.025-0.038: too noisy to choose from; dot validates every user of a small dataset
+    val_score: str = option(
+        "dot",
+        "how validation ranks the catalog: dot (the user token's dot product: one matrix "
+        "product) or served (head + dot by MIS, what serving returns; slower)",
+        choices=VAL_SCORES,
+    )
+    # the raw weights' validation swung by more than its noise epoch to epoch on ml-latest-small
+    ema_decay: float = option(
+        0.995,
+        "validate and publish an exponential moving average of the weights with this decay "
+        "per step (0: the raw weights)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,10 +111,6 @@ def checkpoint_uri(out: str, run: str) -> str:
 # ----------------------------------------------------------------------------- worker side
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
 def train_loop(config: dict) -> None:
     """Runs on every Ray Train worker."""
     import ray.train
@@ -129,8 +132,7 @@ def train_loop(config: dict) -> None:
     if rc.reads_vectors:
         table, _ = item_table(config["vectors_uri"], n_items)
         model.set_item_table(table)
-    state = restored_state(config)
-    start_epoch, best, bad, history = progress(state)
+    state = restored_state()
     if state is not None:
         model.load_state_dict(state["model"])
     elif config.get("init_uri"):
@@ -155,126 +157,90 @@ def train_loop(config: dict) -> None:
     )
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-    average = weight_average(_unwrap(model), tc.ema_decay, state)
+    average = weight_average(unwrap(model), tc.ema_decay, state)
     val = load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
-    start_val = None
+    first = None
     if val and state is None and config.get("init_uri"):
         # a fine-tune: how its starting weights validate before any step, so the summary shows
         # what the fine-tune itself adds (or loses)
         start_val, _, n = validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)
+        first = {"start_val_ndcg10": start_val}
         if rank == 0:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
-    shard = ray.train.get_dataset_shard("train")
-    started = time.perf_counter()
-    for epoch in range(start_epoch, tc.epochs):
-        t0 = time.perf_counter()
+
+    def step(batch: dict, rng) -> tuple[torch.Tensor, dict[str, float]]:
+        """The ranker's loss on one batch: softmax over each cut's candidates, the user token's
+        catalog softmax, distillation from teacher labels and from the frozen base, and the
+        CollectiveKV routers' aux loss (minimised, not reported in "loss")."""
+        labelled = "teacher_logits" in batch
+        tb = training_batch(
+            list(batch["hist"]),
+            list(batch["hist_fb"]),
+            rng,
+            n_items=n_items,
+            max_len=tc.max_len,
+            cuts=tc.cuts,
+            negatives=tc.negatives,
+            given=(list(batch["cuts"]), list(batch["candidates"])) if labelled else None,
+        )
+        h = tb.history
+        h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
+        catalog = tc.catalog_weight > 0
+        next_vids = tb.next_vids.to(dev)
+        rows = next_vids >= 0 if catalog else False  # logits only where a next item is
+        out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+        scores = out.scores.view(-1, 1 + tc.negatives)
+        loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
+        if catalog:
+            loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
+                out.catalog, next_vids[rows]
+            )
+        distill = torch.zeros((), device=dev)
+        if labelled and tc.distill_weight > 0:
+            teacher = torch.as_tensor(np.stack(batch["teacher_logits"]), device=dev)
+            distill = distillation_loss(
+                scores, teacher.view(-1, 1 + tc.negatives), tc.distill_temperature
+            )
+            loss = loss + tc.distill_weight * distill
+        if base is not None:
+            with torch.no_grad():
+                ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+            t = tc.distill_temperature
+            distill = distillation_loss(scores, ref.scores.view(-1, 1 + tc.negatives), t)
+            if catalog:
+                distill = distill + distillation_loss(out.catalog, ref.catalog, t)
+            loss = loss + tc.base_distill_weight * distill
+        parts = {
+            "loss": loss.item(),
+            "aux_loss": out.aux_loss.detach().item(),
+            "distill_loss": distill.item(),
+        }
+        return loss + out.aux_loss, parts
+
+    def validation(validated: torch.nn.Module) -> dict[str, float]:
+        if not val:
+            return {"val_ndcg10": 0.0, "val_hr10": 0.0, "val_users": 0}
+        nd, hr, n = validate(validated, val, n_items, tc.max_len, rank, world, tc.val_score)
+        return {"val_ndcg10": nd, "val_hr10": hr, "val_users": int(n)}
+
+    train_epochs(
+        model,
+        opt,
+        tc,
+        rank=rank,
+        world=world,
+        state=state,
+        step=step,
+        validate=validation,
+        score="val_ndcg10",
+        average=average,
         # dropout only where weights learn the labels: with --tune kv the frozen layers run as
         # they serve, so the cache's KL to the base measures its own error, not dropout noise
         # (on amazon's a6, dropout alone put 0.19 of the fitted start's 0.37 between them)
-        model.train(tc.tune == "all")
-        rng = np.random.default_rng([tc.seed, epoch, rank])
-        losses, aux_losses, distill_losses, steps = [], [], [], 0
-        for batch in shard.iter_batches(
-            batch_size=tc.batch_size,
-            batch_format="numpy",
-            local_shuffle_buffer_size=4 * tc.batch_size,
-            local_shuffle_seed=tc.seed + epoch,
-        ):
-            labelled = "teacher_logits" in batch
-            tb = training_batch(
-                list(batch["hist"]),
-                list(batch["hist_fb"]),
-                rng,
-                n_items=n_items,
-                max_len=tc.max_len,
-                cuts=tc.cuts,
-                negatives=tc.negatives,
-                given=(list(batch["cuts"]), list(batch["candidates"])) if labelled else None,
-            )
-            h = tb.history
-            h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
-            catalog = tc.catalog_weight > 0
-            next_vids = tb.next_vids.to(dev)
-            rows = next_vids >= 0 if catalog else False  # logits only where a next item is
-            out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
-            scores = out.scores.view(-1, 1 + tc.negatives)
-            loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
-            if catalog:
-                loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
-                    out.catalog, next_vids[rows]
-                )
-            if labelled and tc.distill_weight > 0:
-                teacher = torch.as_tensor(np.stack(batch["teacher_logits"]), device=dev)
-                kl = distillation_loss(
-                    out.scores.view(-1, 1 + tc.negatives),
-                    teacher.view(-1, 1 + tc.negatives),
-                    tc.distill_temperature,
-                )
-                distill_losses.append(kl.item())
-                loss = loss + tc.distill_weight * kl
-            if base is not None:
-                with torch.no_grad():
-                    ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
-                t = tc.distill_temperature
-                kl = distillation_loss(
-                    out.scores.view(-1, 1 + tc.negatives), ref.scores.view(-1, 1 + tc.negatives), t
-                )
-                if catalog:
-                    kl = kl + distillation_loss(out.catalog, ref.catalog, t)
-                distill_losses.append(kl.item())
-                loss = loss + tc.base_distill_weight * kl
-            opt.zero_grad(set_to_none=True)
-            (loss + out.aux_loss).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if average is not None:
-                average.update_parameters(_unwrap(model))
-            losses.append(loss.item())
-            aux_losses.append(out.aux_loss.detach().item())
-            steps += 1
-            if rank == 0 and steps % 200 == 0:  # progress within long epochs
-                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(losses)))
-            if steps == tc.max_steps:  # every worker stops at the same count (DDP stays paired)
-                break
-        train_seconds = time.perf_counter() - t0
-        validated = model if average is None else average.module
-        val_ndcg, val_hr, n = (
-            validate(validated, val, n_items, tc.max_len, rank, world, tc.val_score)
-            if val
-            else (0.0, 0.0, 0)
-        )
-        loss_sum, loss_n = all_sum([sum(losses), len(losses)], world)
-        best, bad = (val_ndcg, 0) if val_ndcg > best else (best, bad + 1)
-        metrics = {
-            "epoch": epoch,
-            "loss": loss_sum / max(loss_n, 1),
-            "aux_loss": float(np.mean(aux_losses)) if aux_losses else 0.0,
-            "distill_loss": float(np.mean(distill_losses)) if distill_losses else 0.0,
-            "val_ndcg10": val_ndcg,
-            "val_hr10": val_hr,
-            "val_users": int(n),
-            "best_val_ndcg10": best,
-            "steps": steps,
-            "train_seconds": train_seconds,
-            "epoch_seconds": time.perf_counter() - t0,
-        }
-        if start_val is not None and epoch == 0:
-            metrics["start_val_ndcg10"] = start_val
-        history.append(metrics)
-        state = {
-            "model": _unwrap(model).state_dict(),
-            # what is validated and published when there is an average (else: "model")
-            "published": None if average is None else average.module.state_dict(),
-            "averaged_steps": 0 if average is None else int(average.n_averaged),
-            "optimizer": opt.state_dict(),
-            "epoch": epoch,
-            "best": best,
-            "bad": bad,
-            "history": history,
-        }
-        report_epoch(rank, state, metrics, {"ranker.json": rc.to_json()})
-        if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
-            break
+        train_mode=tc.tune == "all",
+        files={"ranker.json": rc.to_json()},
+        first_metrics=first,
+    )
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -332,7 +298,7 @@ def train(
         raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
     root = checkpoint_uri(out, run)
     train_root = storage.join(root, "train")
-    resume_from = resume_point(train_root, run, resume)
+    resume_check(train_root, run, resume)
     init_uri = None
     if init_state is not None and not resume:
         init_uri = storage.join(train_root, "init", "model.pt")
@@ -347,7 +313,6 @@ def train(
         "n_items": n_items,
         "vectors_uri": vectors_uri,
         "dataset_uri": dataset_uri,
-        "resume_from": resume_from,
         "init_uri": init_uri,
         "base_uri": storage.pinned(base_uri) if base_uri else None,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
@@ -360,7 +325,7 @@ def train(
         n_items,
         tc.workers,
     )
-    checkpoints = fit(
+    trained = fit(
         train_loop,
         config,
         train_root=train_root,
@@ -368,10 +333,10 @@ def train(
         workers=tc.workers,
         use_gpu=tc.use_gpu,
         max_failures=tc.max_failures,
+        score="val_ndcg10",
     )
-    history = [metrics for _, metrics in checkpoints]
+    history, best, best_dir = trained.history, trained.best_metrics, trained.best
     last = history[-1]
-    best_dir, best = max(checkpoints, key=lambda e: e[1]["val_ndcg10"])
     state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
     buf = io.BytesIO()
     published = state.get("published")  # None: no average (or a checkpoint from before it)
@@ -409,6 +374,7 @@ def train(
                 "best_epoch": best["epoch"],
                 "val_ndcg10": best["val_ndcg10"],
                 "source": best_dir,
+                "latest": trained.latest,
                 "n_items": n_items,
                 **(extra_meta or {}),
             }
@@ -450,8 +416,8 @@ def _labelled_examples(labels_uri: str, dataset_uri: str, tc: TrainConfig):
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """One option per TrainConfig field (--epochs, --lr, ...), shared with train_kv_pool."""
-    add_config_args(p, TrainConfig, "training")
+    cli.add_fields(p, TrainConfig, "training")
 
 
 def train_config(a: argparse.Namespace) -> TrainConfig:
-    return config_from_args(a, TrainConfig)
+    return cli.from_args(a, TrainConfig)

@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from artifacts.errors import InputError
+from models.errors import InputError
 from models.metrics import summarize
 from pipelines.common.ranker_actors import RankerActor, map_with_rankers
 
@@ -161,9 +161,10 @@ def prior_fusion(
     actors: int,
     from_states: bool = False,
 ) -> tuple[pl.DataFrame, dict]:
-    """The prior alone and the ranker fused with it (``PriorFusionRanks``), the fusion weight
-    picked by validation NDCG@10 over the same users: per_user gains ``item_prior_*`` and
-    ``ranker_prior_*`` rank columns; returns it with the pick and the validation curve."""
+    """The ranker, the prior alone and the two fused (``PriorFusionRanks``), the fusion weight
+    picked by validation NDCG@10 over the same users: per_user gains ``ranker_*`` (the fusion
+    at weight 0: the ranker needs no pass of its own), ``item_prior_*`` and ``ranker_prior_*``
+    rank columns; returns it with the pick and the validation curve."""
     import ray
 
     from models.item_prior import FUSION_WEIGHTS
@@ -187,8 +188,11 @@ def prior_fusion(
         val[best]["ndcg10"],
         val[0]["ndcg10"],
     )
+    alone = FUSION_WEIGHTS.index(0.0)  # weight 0: the ranker's own score, ranked the same way
     ranks = got.select(
         "user_id",
+        pl.col(f"fused_full_rank_{alone}").alias("ranker_full_rank"),
+        pl.col(f"fused_sampled_rank_{alone}").alias("ranker_sampled_rank"),
         pl.col("prior_full_rank").alias("item_prior_full_rank"),
         pl.col("prior_sampled_rank").alias("item_prior_sampled_rank"),
         pl.col(f"fused_full_rank_{best}").alias("ranker_prior_full_rank"),

@@ -28,7 +28,7 @@ from pathlib import Path
 import polars as pl
 
 from artifacts import storage
-from artifacts.errors import InputError
+from models.errors import InputError
 
 BUILTIN = ("ml-latest-small", "amazon-videogames-2018")
 

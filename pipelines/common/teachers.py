@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 
 from artifacts import storage
-from artifacts.errors import InputError
 from models.config import TeacherConfig
+from models.errors import InputError
 
 
 def teacher_for_engine(uri: str, engine: str) -> TeacherConfig:

@@ -1,17 +1,16 @@
-"""What the Ray Train jobs (train_ranker, train_kv_pool, train_teacher) share on the driver side:
-a run's checkpoint history across attempts, the resume rule, the training rows in a new order
-every epoch, and the TorchTrainer they fit.
+"""What the Ray Train jobs (train_ranker, train_kv_pool, train_teacher) share: the training
+options, the resume rule, the training rows in a new order every epoch, the TorchTrainer they
+fit, and the worker side's restore, weight average and per-epoch report.
 
-A run keeps every attempt's checkpoints under ``<out>/<kind>/<run>/train/attempt-*/``; each
-checkpoint folder holds ``state.pt`` (whatever the loop needs to continue) and ``metrics.json``
-(with at least ``epoch``). The best epoch is then published beside ``train/`` by the job.
+A run trains under ``<out>/<kind>/<run>/train/``, where Ray Train keeps its checkpoints (the
+best few by the job's validation score, and the latest) and its record of them, from which a
+resumed run continues; each checkpoint folder holds ``state.pt`` (whatever the loop needs to
+continue, with every epoch's metrics so far) and ``metrics.json``. The best epoch is then
+published beside ``train/`` by the job.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
 import io
 import json
 import logging
@@ -22,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from artifacts import storage
-from artifacts.errors import InputError
+from models.config import option
+from models.errors import InputError
 
 log = logging.getLogger("kvrank.training")
 
@@ -35,25 +37,23 @@ class BaseTrainConfig:
     """How a training job runs: train_ranker's TrainConfig and train_teacher's
     TeacherTrainConfig add their losses' options (and their own defaults) to these."""
 
-    epochs: int = 30
-    batch_size: int = 32  # history windows per step per worker
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    max_len: int = 50  # history items per training window; serving reads this many
-    cuts: int = 4  # predictions per window per step (one shared prefill in the ranker)
-    negatives: int = 31  # sampled negatives per prediction
-    patience: int = 4  # epochs without a better validation NDCG@10 before stopping
-    val_users: int = 128  # users in the validation
-    seed: int = 0
-    workers: int = 1
-    use_gpu: bool = False
-    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
-    # wall-clock cap of one attempt, in minutes (0: none): training stops after the epoch that
-    # crosses it, like the capped reference runs the quality targets are set against
-    max_minutes: float = 0.0
-    # optimizer steps per epoch and worker (0: the whole shard): a short fine-tune on a large
-    # dataset, e.g. each configuration of the CollectiveKV sweep on amazon-videogames-2018
-    max_steps: int = 0
+    epochs: int = option(30, "epochs at most (patience and max_minutes may stop sooner)")
+    batch_size: int = option(32, "history windows per step per worker")
+    lr: float = option(1e-3, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    max_len: int = option(50, "history items per training window; serving keeps this many")
+    cuts: int = option(4, "predictions per window per step (one shared prefill)")
+    negatives: int = option(31, "uniform sampled negatives per prediction")
+    patience: int = option(4, "epochs without a better validation NDCG@10 before stopping")
+    val_users: int = option(128, "users validated after every epoch")
+    seed: int = option(0, "seed of the sampling, shuffling and initialisation")
+    workers: int = option(1, "Ray Train workers (DDP)")
+    use_gpu: bool = option(False, "one GPU per worker")
+    max_failures: int = option(2, "worker failures survived by restarting from a checkpoint")
+    max_minutes: float = option(
+        0.0, "wall-clock cap of one attempt in minutes, checked after each epoch (0: none)"
+    )
+    max_steps: int = option(0, "optimizer steps per epoch and worker (0: the whole shard)")
 
     def __post_init__(self) -> None:
         for f in ("epochs", "batch_size", "max_len", "cuts", "negatives", "val_users", "workers"):
@@ -65,58 +65,55 @@ class BaseTrainConfig:
             raise InputError(f"--max-steps must be >= 0, got {self.max_steps}")
 
 
-def add_config_args(p: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One option per field of the dataclass ``cls`` (--epochs, --lr, ...); booleans are flags
-    that turn a False default on."""
-    g = p.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(f.default, bool):
-            g.add_argument(flag, action="store_true", default=f.default)
-        else:
-            g.add_argument(flag, type=type(f.default), default=f.default)
-
-
-def config_from_args(a: argparse.Namespace, cls: type[C]) -> C:
-    values: dict[str, Any] = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls)}
-    return cls(**values)
-
-
 def open_file(folder: str, name: str) -> io.BytesIO:
     """A file of a (local or s3://) folder, read whole: torch.load takes it."""
     return io.BytesIO(storage.read_bytes(storage.join(folder, name)))
 
 
-def list_checkpoints(train_root: str) -> list[tuple[str, dict]]:
-    """(folder, metrics) of every checkpoint under ``train_root`` (all attempts), by epoch."""
-    fs, path = storage.filesystem(train_root)
-    try:
-        found = fs.glob(f"{path.rstrip('/')}/*/checkpoint_*/metrics.json")
-    except FileNotFoundError:
-        return []
-    prefix = "s3://" if train_root.startswith("s3://") else ""
-    folders = [prefix + f.rsplit("/", 1)[0] for f in found]
-    entries = [(f, storage.read_json(storage.join(f, "metrics.json"))) for f in folders]
-    return sorted(entries, key=lambda e: e[1]["epoch"])
+RUN_NAME = "run"  # Ray Train's run folder under <train_root>: one per training run
+KEEP_CHECKPOINTS = 2  # the best epochs Ray Train keeps (by the score), besides the latest
+SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's checkpoints
 
 
-def resume_point(train_root: str, run: str, resume: bool) -> str | None:
-    """The checkpoint folder to continue from (``resume``), or None for a fresh run.
+@dataclass(frozen=True)
+class Trained:
+    """What a training run left: its best checkpoint (folder URI and metrics), its latest one,
+    and every epoch's metrics across all its attempts."""
 
-    Every attempt under a run continues the one before it, so the run's checkpoints form one
-    history; a second fresh start would mix two trainings when the best epoch is picked."""
-    previous = list_checkpoints(train_root)
-    if previous and not resume:
+    best: str
+    best_metrics: dict
+    latest: str
+    history: list[dict]
+
+
+def _run_path(train_root: str) -> str:
+    return storage.join(train_root, RUN_NAME)
+
+
+def resume_check(train_root: str, run: str, resume: bool) -> None:
+    """A fresh start under a run that has trained before would mix two trainings when the
+    best epoch is picked: refused. ``--resume`` continues it: Ray Train finds the run's
+    checkpoint snapshot under the same name and hands the loop its latest checkpoint."""
+    started = storage.exists(storage.join(_run_path(train_root), SNAPSHOT))
+    if started and not resume:
         raise InputError(
-            f"run {run!r} already has {len(previous)} checkpoint(s) under {train_root}: "
-            "pass --resume to continue it, or choose another --run"
+            f"run {run!r} has already trained under {train_root}: pass --resume to continue "
+            "it, or choose another --run"
         )
-    if resume and not previous:
+    if resume and not started:
         raise InputError(f"--resume: no checkpoint under {train_root}")
-    if resume:
-        log.info("resuming from %s", previous[-1][0])
-        return previous[-1][0]
-    return None
+
+
+def attempts(train_root: str) -> int:
+    """How many attempts (a first run and its resumes) the run has started."""
+    path = storage.join(train_root, "attempts.json")
+    return len(storage.read_json(path)) if storage.exists(path) else 0
+
+
+def record_attempt(train_root: str) -> None:
+    path = storage.join(train_root, "attempts.json")
+    done = storage.read_json(path) if storage.exists(path) else []
+    storage.write_bytes(path, json.dumps([*done, time.strftime("%Y-%m-%dT%H:%M:%S")]).encode())
 
 
 def epoch_shuffled(table, seed: int, train_root: str):
@@ -125,13 +122,13 @@ def epoch_shuffled(table, seed: int, train_root: str):
     Ray Data executes a Train dataset once per epoch; with ``reseed_after_execution`` its
     shuffle draws from (seed, execution index), so every epoch's batches differ and a rerun
     repeats them. Without it each epoch would replay one order, and a ``--max-steps`` cap
-    would train every epoch on the same first windows. A resumed run folds the epochs it
-    already has into the seed, so its epochs do not replay the first run's orders."""
+    would train every epoch on the same first windows. A resumed run folds its attempt number
+    into the seed, so its epochs do not replay the first run's orders."""
     import numpy as np
     import ray
     from ray.data import RandomSeedConfig
 
-    done = len(list_checkpoints(train_root))
+    done = attempts(train_root)
     run_seed = int(np.random.SeedSequence([seed, done]).generate_state(1)[0])
     # the shuffle's tasks take a sliver of a CPU: the trainer's workers hold the rest, and a
     # whole-CPU task would wait for them forever
@@ -149,14 +146,18 @@ def fit(
     workers: int,
     use_gpu: bool,
     max_failures: int,
-) -> list[tuple[str, dict]]:
-    """Run ``loop`` on ``workers`` Ray Train workers (a new attempt under ``train_root``) and
-    return the run's checkpoints, all attempts. Failed workers restart from the latest
-    checkpoint up to ``max_failures`` times."""
+    score: str,
+) -> Trained:
+    """Run ``loop`` on ``workers`` Ray Train workers under ``train_root`` and return what the
+    run left. Ray Train tracks the checkpoints: it keeps the ``KEEP_CHECKPOINTS`` best by the
+    reported ``score`` and the latest, restarts failed workers from the latest up to
+    ``max_failures`` times, and (the run's name being fixed) continues a resumed run from it."""
     import ray
     import ray.train
+    import torch
     from ray.train.torch import TorchTrainer
 
+    record_attempt(train_root)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     trainer = TorchTrainer(
         loop,
@@ -168,37 +169,46 @@ def fit(
         ),
         datasets=datasets,
         run_config=ray.train.RunConfig(
-            name=f"attempt-{time.strftime('%Y%m%d-%H%M%S')}",
+            name=RUN_NAME,
             # Ray Train wants a URI or an absolute path; `--out out` is neither
             storage_path=train_root
             if storage.is_remote(train_root)
             else os.path.abspath(train_root),
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=KEEP_CHECKPOINTS,
+                checkpoint_score_attribute=score,
+                checkpoint_score_order="max",
+            ),
         ),
     )
-    trainer.fit()
-    checkpoints = list_checkpoints(train_root)
-    if not checkpoints:
+    result = trainer.fit()
+    if not result.best_checkpoints or result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint under {train_root}")
-    return checkpoints
+
+    def uri(checkpoint) -> str:
+        return f"s3://{checkpoint.path}" if storage.is_remote(train_root) else checkpoint.path
+
+    best, best_metrics = max(result.best_checkpoints, key=lambda e: e[1][score])
+    latest = uri(result.checkpoint)
+    state = torch.load(open_file(latest, "state.pt"), map_location="cpu", weights_only=True)
+    return Trained(uri(best), dict(best_metrics), latest, list(state["history"]))
 
 
 # ----------------------------------------------------------------------------- worker side
 
 
-def restored_state(config: dict) -> dict | None:
-    """The state a training loop continues from: Ray Train's latest checkpoint after a worker
-    restart, else the run's resume point (``config["resume_from"]``); None for a fresh start."""
+def restored_state() -> dict | None:
+    """The state a training loop continues from: Ray Train's latest checkpoint (after a
+    worker restart, or in a resumed run); None for a fresh start."""
     import ray.train
     import torch
 
     ckpt = ray.train.get_checkpoint()
-    source = ckpt.path if ckpt else config.get("resume_from")
-    if not source:
+    if ckpt is None:
         return None
-    with ckpt.as_directory() if ckpt else contextlib.nullcontext(source) as d:
-        return torch.load(open_file(d, "state.pt"), map_location="cpu", weights_only=True)
+    with ckpt.as_directory() as d:
+        return torch.load(os.path.join(d, "state.pt"), map_location="cpu", weights_only=True)
 
 
 def progress(state: dict | None) -> tuple[int, float, int, list]:
@@ -238,9 +248,10 @@ def all_sum(values: list[float], world: int) -> list[float]:
 
 
 def report_epoch(rank: int, state: dict, metrics: dict, files: dict[str, str] | None = None):
-    """Rank 0 saves ``state`` (state.pt, what ``restored_state`` reads back), ``metrics``
-    (metrics.json, what ``list_checkpoints`` reads) and ``files`` (name -> text) as the epoch's
-    checkpoint; every worker reports the metrics."""
+    """Rank 0 saves ``state`` (state.pt, what ``restored_state`` reads back; with a
+    ``history`` of every epoch's metrics), ``metrics`` (metrics.json) and ``files`` (name ->
+    text) as the epoch's checkpoint; every worker reports the metrics, which Ray Train ranks
+    the checkpoints by."""
     import ray.train
     import torch
 
@@ -279,3 +290,106 @@ def out_of_time(started: float, max_minutes: float, world: int) -> bool:
     if world > 1:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def unwrap(model):
+    """The model inside a DDP wrapper (itself when not wrapped)."""
+    return model.module if hasattr(model, "module") else model
+
+
+def train_epochs(
+    model,
+    opt,
+    tc: BaseTrainConfig,
+    *,
+    rank: int,
+    world: int,
+    state: dict | None,
+    step: Callable[[dict, Any], tuple[Any, dict[str, float]]],
+    validate: Callable[[Any], dict[str, float]],
+    score: str,
+    average=None,
+    train_mode: bool = True,
+    log_every: int = 200,
+    files: dict[str, str] | None = None,
+    first_metrics: dict | None = None,
+) -> None:
+    """The one epoch loop every trainer runs (worker side), from ``state`` (a restored
+    checkpoint, or None) to the last epoch:
+
+    - each epoch reads this worker's shard of the training rows in a seeded local shuffle;
+      ``step(batch, rng)`` returns the loss to minimise and the named terms to report (their
+      epoch means; ``"loss"``, the labels' loss, is averaged over every worker), and the
+      optimizer steps on it with the gradient norm clipped at 1 (``--max-steps`` caps the
+      steps); ``average`` (an EMA of the weights, or None) follows every step;
+    - ``validate(model)`` scores the average (or the weights) and returns the epoch's
+      validation figures, ``score`` among them (summed over workers by the callee);
+    - rank 0 reports the epoch's checkpoint (weights, their average, optimizer, progress, every
+      epoch's metrics; ``files`` beside them) to Ray Train, which ranks checkpoints by
+      ``score``; training stops after ``--patience`` epochs without a better ``score`` or when
+      ``--max-minutes`` have passed.
+    """
+    import ray.train
+    import torch
+
+    start_epoch, best, bad, history = progress(state)
+    shard = ray.train.get_dataset_shard("train")
+    started = time.perf_counter()
+    for epoch in range(start_epoch, tc.epochs):
+        t0 = time.perf_counter()
+        model.train(train_mode)
+        rng = np.random.default_rng([tc.seed, epoch, rank])
+        terms: dict[str, list[float]] = {}
+        steps = 0
+        for batch in shard.iter_batches(
+            batch_size=tc.batch_size,
+            batch_format="numpy",
+            local_shuffle_buffer_size=4 * tc.batch_size,
+            local_shuffle_seed=tc.seed + epoch,
+        ):
+            loss, parts = step(batch, rng)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if average is not None:
+                average.update_parameters(unwrap(model))
+            for name, value in parts.items():
+                terms.setdefault(name, []).append(value)
+            steps += 1
+            if rank == 0 and steps % log_every == 0:  # progress within long epochs
+                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(terms["loss"])))
+            if steps == tc.max_steps:  # every worker stops at the same count (DDP stays paired)
+                break
+        train_seconds = time.perf_counter() - t0
+        figures = validate(model if average is None else average.module)
+        losses = terms.pop("loss", [])
+        loss_sum, loss_n = all_sum([sum(losses), len(losses)], world)
+        best, bad = (figures[score], 0) if figures[score] > best else (best, bad + 1)
+        metrics = {
+            "epoch": epoch,
+            "loss": loss_sum / max(loss_n, 1),
+            **{name: float(np.mean(values)) for name, values in terms.items()},
+            **figures,
+            f"best_{score}": best,
+            "steps": steps,
+            "train_seconds": train_seconds,
+            "epoch_seconds": time.perf_counter() - t0,
+        }
+        if first_metrics and epoch == 0:
+            metrics |= first_metrics
+        history.append(metrics)
+        state = {
+            "model": unwrap(model).state_dict(),
+            # what is validated and published when there is an average (else: "model")
+            "published": None if average is None else average.module.state_dict(),
+            "averaged_steps": 0 if average is None else int(average.n_averaged),
+            "optimizer": opt.state_dict(),
+            "epoch": epoch,
+            "best": best,
+            "bad": bad,
+            "history": history,
+        }
+        report_epoch(rank, state, metrics, files)
+        if bad >= tc.patience or out_of_time(started, tc.max_minutes, world):
+            break

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from artifacts.errors import InputError
 from models.config import EncoderConfig, TeacherConfig
+from models.errors import InputError
 
 ENGINES = ("hf", "vllm")
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: the CPU build's KV cache, in GiB
