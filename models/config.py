@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,11 +29,8 @@ class _JsonConfig:
 
     @classmethod
     def from_dict(cls: type[T], d: dict[str, Any]) -> T:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = set(d) - names
-        if unknown:
-            raise InputError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
-        return cls(**{k: _nested(cls, k, v) for k, v in d.items()})
+        values = typed_values(cls, d)
+        return cls(**{k: _nested(cls, k, v) for k, v in values.items()})
 
     @classmethod
     def from_json(cls: type[T], text: str) -> T:
@@ -48,6 +47,41 @@ def _nested(cls: type, name: str, value: Any) -> Any:
 
 ITEM_INPUTS = ("text", "id", "text+id")  # RankerConfig.item_input
 TEACHER_KINDS = ("causal", "cross")  # TeacherConfig.kind
+
+
+def field_type(cls: type, name: str) -> type:
+    """The type of ``cls``'s field ``name``, with ``None`` taken out of an optional one
+    (``str | None`` -> str)."""
+    hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def typed_values(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` for ``cls``'s fields converted to their types - what a command line, a Serve
+    config's ``args`` or a YAML file gives as text becomes the field's bool, int, float or
+    str. Unknown names and values that do not convert are an ``InputError`` naming them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise InputError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
+    out = {}
+    for name, value in values.items():
+        kind = field_type(cls, name)
+        if value is None or kind not in (bool, int, float, str):
+            out[name] = value
+        elif kind is bool:
+            text = str(value).lower()
+            if text not in ("true", "false"):
+                raise InputError(f"{name}: {value!r} is not true or false")
+            out[name] = text == "true"
+        else:
+            try:
+                out[name] = kind(value)
+            except (TypeError, ValueError) as e:
+                raise InputError(f"{name}: {value!r} is not a {kind.__name__}") from e
+    return out
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from models.config import option
+from models.config import option, typed_values
 from models.errors import InputError
 
 
@@ -129,26 +129,12 @@ class ServeSettings:
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeSettings:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - set(fields))
-        if unknown:
-            raise InputError(f"unknown setting(s): {', '.join(unknown)}")
-        values = {}
-        for name, value in args.items():
-            kind = type(fields[name].default) if name != "manifest_uri" else str
-            if name in ("store_uri", "item_prior_uri"):
-                kind = str
-            if kind is bool and isinstance(value, str):
-                value = {"true": True, "false": False}.get(value.lower(), value)
-                if isinstance(value, str):
-                    raise InputError(f"{name}: {value!r} is not true or false")
-            try:
-                values[name] = kind(value) if value is not None else None
-            except (TypeError, ValueError) as e:
-                raise InputError(f"{name}: {value!r} is not a {kind.__name__}") from e
+        """The settings from a Serve config's ``args`` (or ``serve run ... key=value``: text),
+        converted to the fields' types; relative paths pinned to absolute ones, since replicas
+        do not share the caller's working directory."""
         from artifacts import storage
 
-        # replicas do not share the caller's working directory: pin relative paths now
+        values = typed_values(cls, args)
         for name in ("manifest_uri", "store_uri", "item_prior_uri"):
             if values.get(name):
                 values[name] = storage.absolute(values[name])

@@ -144,3 +144,18 @@ def test_a_recipe_error_ends_the_job_with_one_line(tmp_path, capsys):
     assert err == [
         f"error: --config {recipe}, section train_ranker: epoch: train_ranker has no option --epoch"
     ]
+
+
+def test_one_converter_types_text_for_every_config():
+    """Serve's args, JSON beside an artifact and recipes go through models.config.typed_values."""
+    from models.config import CollectiveKVConfig, typed_values
+    from services.settings import ServeSettings
+
+    got = typed_values(ServeSettings, {"shards": "3", "item_prior_weight": "0.5", "store_uri": 7})
+    assert got == {"shards": 3, "item_prior_weight": 0.5, "store_uri": "7"}
+    assert typed_values(CollectiveKVConfig, {"share_k": "False"}) == {"share_k": False}
+    with pytest.raises(InputError, match="share_v: 'maybe' is not true or false"):
+        typed_values(CollectiveKVConfig, {"share_v": "maybe"})
+    with pytest.raises(InputError, match=r"RankerConfig: unknown field\(s\) width"):
+        RankerConfig.from_dict({"width": 3})
+    assert RankerConfig.from_dict(RankerConfig().to_dict()) == RankerConfig()

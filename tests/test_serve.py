@@ -198,7 +198,7 @@ def test_settings_reject_unknown_and_bad_values():
     from models.errors import InputError
     from services.settings import ServeSettings
 
-    with pytest.raises(InputError, match="unknown setting"):
+    with pytest.raises(InputError, match=r"ServeSettings: unknown field\(s\) shardz"):
         ServeSettings.from_args({"manifest_uri": "m", "shardz": 2})
     with pytest.raises(InputError, match="shards must be > 0"):
         ServeSettings.from_args({"manifest_uri": "m", "shards": "0"})

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
-import typing
 from typing import Any, TypeVar
 
+from models.config import field_type
 from models.errors import InputError
 
 C = TypeVar("C")
@@ -56,14 +55,6 @@ def job_parser(job: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
-def _field_type(cls: type, f: dataclasses.Field) -> type:
-    """The field's type with ``None`` taken out of an optional one (``str | None`` -> str)."""
-    hint = typing.get_type_hints(cls)[f.name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
 def _metadata(cls: type, name: str) -> Any:
     """A field's metadata, from the nearest class that gave it one (a subclass that only
     changes a default keeps the base's help line)."""
@@ -90,7 +81,7 @@ def add_fields(
         if "help" not in meta:
             raise TypeError(f"{cls.__name__}.{f.name} has no help line (field metadata 'help')")
         flag = f"--{f.name.replace('_', '-')}"
-        kind = _field_type(cls, f)
+        kind = field_type(cls, f.name)
         kw: dict[str, Any] = {"default": f.default, "help": meta["help"], "dest": f.name}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
