@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks import low_rank
 from benchmarks.report import machine, write
 
 log = logging.getLogger("kvrank.kv_sweep")
@@ -354,25 +355,25 @@ def main(argv: list[str] | None = None) -> None:
             ),
         )
 
-    def fitted(run: str, **kw) -> dict:
-        summary = train_kv_pool.fit(
-            dataset_uri,
-            checkpoint,
-            a.out,
-            run=run,
-            ckv=kw.pop("ckv", None),
-            tc=tc,
-            init_tokens=a.init_tokens,
-            **kw,
+    def fitted(run: str, ckv) -> dict:
+        return train_kv_pool.fit(
+            dataset_uri, checkpoint, a.out, run=run, ckv=ckv, tc=tc, init_tokens=a.init_tokens
         )
-        return summary
 
     stamp = time.strftime("%H%M%S")
     for r in [int(x) for x in a.low_ranks.split(",") if x]:
         if f"low-rank KV, R={r}" in done:
             continue
-        s = fitted(f"sweep-{stamp}-lowrank-r{r}", kv_rank=r)
-        model, _, _ = load_ranker(s["checkpoint"])
+        s = low_rank.fit(
+            dataset_uri,
+            checkpoint,
+            a.out,
+            run=f"sweep-{stamp}-lowrank-r{r}",
+            rank=r,
+            tc=tc,
+            init_tokens=a.init_tokens,
+        )
+        model, _ = low_rank.load(s["checkpoint"])
         add(
             f"low-rank KV, R={r}",
             s["ratio"],

@@ -193,9 +193,6 @@ class RankerConfig(_JsonConfig):
     )
     feedback_classes: int = option(5, "rating buckets (from the dataset); unknown: its own")
     collective_kv: CollectiveKVConfig | None = option(None, "shared KV pools (None: plain KV)")
-    # low-rank (MLA-style) baseline: cached tokens keep kv_rank fp16 numbers per layer, K and V
-    # are up-projected from them; 0: off. A comparison for CollectiveKV at equal bytes.
-    kv_rank: int = option(0, "low-rank KV baseline: fp16 numbers per token and layer (0: off)")
     dropout: float = option(
         0.2, "dropout on the input tokens and each block's outputs, in training"
     )
@@ -246,13 +243,6 @@ class RankerConfig(_JsonConfig):
                 f"collective_kv.user_dim ({self.collective_kv.user_dim}) must be smaller than the "
                 f"KV width n_kv_heads*head_dim ({self.kv_width})",
             )
-
-        _check(self.kv_rank >= 0, c, f"kv_rank must be >= 0, got {self.kv_rank}")
-        _check(
-            not (self.kv_rank and self.collective_kv is not None),
-            c,
-            "kv_rank (low-rank KV) and collective_kv are alternatives: set one",
-        )
 
     @property
     def kv_width(self) -> int:

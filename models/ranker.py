@@ -47,7 +47,6 @@ from models.collective_kv import (
     LayerState,
     Routing,
     full_kv_bytes,
-    round_to_state,
 )
 from models.config import RankerConfig
 from models.inputs import (  # noqa: F401 - re-exported: the ranker API
@@ -99,10 +98,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, kvw, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(qw, cfg.d_model, bias=False)
         self.ckv = CollectiveKV(cfg.d_model, kvw, cfg.collective_kv) if cfg.collective_kv else None
-        if cfg.kv_rank:  # the low-rank baseline: a latent per cached token, K and V from it
-            self.kv_down = nn.Linear(cfg.d_model, cfg.kv_rank, bias=False)
-            self.k_up = nn.Linear(cfg.kv_rank, kvw, bias=False)
-            self.v_up = nn.Linear(cfg.kv_rank, kvw, bias=False)
+        # a module mapping cached tokens' hidden states to their K and V in place of k_proj and
+        # v_proj: where a benchmark plugs in another compressed cache to compare with the pools
+        # (benchmarks/low_rank.py). None in the ranker itself.
+        self.kv_map: nn.Module | None = None
 
     def project(
         self, hn: Tensor, cos: Tensor, sin: Tensor, pool_valid: Tensor | None
@@ -117,28 +116,12 @@ class Attention(nn.Module):
         routing = None
         if pool_valid is not None and self.ckv is not None:
             k, v, routing = self.ckv(hn, pool_valid, self.k_proj, self.v_proj)
-        elif pool_valid is not None and cfg.kv_rank:
-            latent = round_to_state(self.kv_down(hn))  # what a cache would store, fp16
-            k, v = self.k_up(latent), self.v_up(latent)
+        elif pool_valid is not None and self.kv_map is not None:
+            k, v = self.kv_map(hn)
         else:
             k, v = self.k_proj(hn), self.v_proj(hn)
         k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)
         return q, k, split_heads(v, cfg.n_kv_heads), routing
-
-    @torch.no_grad()
-    def init_low_rank(self, x: Tensor) -> float:
-        """Start the low-rank KV from this layer's trained k/v projections and sample hidden
-        states x (N, d_model): the best rank-r map onto the data's joint K/V (PCA of
-        [k_proj x, v_proj x]). Returns the relative squared error of that reconstruction."""
-        w = torch.cat([self.k_proj.weight, self.v_proj.weight]).float()  # (2 width, d)
-        y = x.float() @ w.T
-        basis = torch.linalg.svd(y, full_matrices=False).Vh[: self.cfg.kv_rank]  # (r, 2 width)
-        width = self.cfg.kv_width
-        self.kv_down.weight.copy_(basis @ w)
-        self.k_up.weight.copy_(basis[:, :width].T)
-        self.v_up.weight.copy_(basis[:, width:].T)
-        err = y - (y @ basis.T) @ basis
-        return float((err**2).sum() / (y**2).sum().clamp(min=1e-12))
 
 
 class DecoderLayer(nn.Module):
@@ -190,8 +173,8 @@ class Ranker(nn.Module):
 
     def compressed_kv_parameters(self) -> list[str]:
         """Names of the compressed cache's parameters: the CollectiveKV routers, pools and user
-        projections, or the low-rank latent maps (empty for an uncompressed ranker)."""
-        parts = (".ckv.", ".kv_down.", ".k_up.", ".v_up.")
+        projections, or a plugged-in ``kv_map``'s (empty for an uncompressed ranker)."""
+        parts = (".ckv.", ".kv_map.")
         return [n for n, _ in self.named_parameters() if any(p in n for p in parts)]
 
     # -- item table and token embeddings
@@ -469,10 +452,9 @@ class Ranker(nn.Module):
             k, v = att.k_proj(hn), att.v_proj(hn)
             if att.ckv is not None:
                 kh, vh, _ = att.ckv(hn[:, :length], hist_valid, att.k_proj, att.v_proj)
-            elif cfg.kv_rank:
-                latent = round_to_state(att.kv_down(hn[:, :length]))
-                kh, vh = att.k_up(latent), att.v_up(latent)
-            if att.ckv is not None or cfg.kv_rank:
+            elif att.kv_map is not None:
+                kh, vh = att.kv_map(hn[:, :length])
+            if att.ckv is not None or att.kv_map is not None:
                 k = torch.cat([kh, k[:, length:]], dim=1)
                 v = torch.cat([vh, v[:, length:]], dim=1)
             k = apply_rope(split_heads(k, cfg.n_kv_heads), cos, sin)

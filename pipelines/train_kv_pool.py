@@ -2,7 +2,7 @@
 
     python -m pipelines.train_kv_pool --dataset-uri out/datasets/ml-latest-small \\
         --checkpoint out/checkpoints/ml-latest-small-text-id --out out \\
-        [--pool-size auto|M] [--user-dim 1] [--share kv|k|v] [--init fit|random] [--kv-rank R]
+        [--pool-size auto|M] [--user-dim 1] [--share kv|k|v] [--init fit|random]
         [--run NAME] [--resume] [--base-distill-weight W] [--tune all|kv] [--init-tokens N]
         [training options of train_ranker: --epochs, --lr, --negatives, ...]
 
@@ -35,9 +35,8 @@ The published checkpoint is what ``build_user_states`` turns into stored user st
 ``--share k`` (or ``v``) switches sharing off for the other half: its cached value is the
 layer's plain projection, stored whole in fp16 - the ablation of what the pools carry.
 
-``--kv-rank R`` fits the comparison instead: a low-rank (MLA-style) KV where each cached token
-keeps an R-number fp16 latent per layer (initialised by PCA of the trained joint K/V), at the
-same bytes as CollectiveKV when R = 2 + 2 d_u.
+The low-rank (MLA-style) KV it is compared with at equal bytes is a benchmark
+(``benchmarks/low_rank.py``, run by ``benchmarks.kv_sweep``), fitted through the same steps.
 """
 
 from __future__ import annotations
@@ -68,7 +67,6 @@ BASE_DISTILL_WEIGHT = 1.0
 # an entry) halved every layer's k-means error and kept 101% on amazon (docs/results.md,
 # "CollectiveKV measured")
 INIT_TOKENS_PER_ENTRY = 50
-LOW_RANK_INIT_TOKENS = 50_000  # what the low-rank (--kv-rank) baseline's PCA is fitted to
 # fewer fitted tokens per pool entry than this and the job says to raise --init-tokens
 MIN_TOKENS_PER_ENTRY = 20
 # --pool-size auto: the largest power of two in this range that the dataset's cached tokens fill
@@ -89,10 +87,9 @@ def auto_pool_size(tokens: int) -> int:
     return m
 
 
-def default_init_tokens(pool_size: int | None) -> int:
-    """--init-tokens when not given: INIT_TOKENS_PER_ENTRY per pool entry (None: the low-rank
-    baseline, which has no pool)."""
-    return LOW_RANK_INIT_TOKENS if pool_size is None else INIT_TOKENS_PER_ENTRY * pool_size
+def default_init_tokens(pool_size: int) -> int:
+    """--init-tokens when not given: INIT_TOKENS_PER_ENTRY per pool entry."""
+    return INIT_TOKENS_PER_ENTRY * pool_size
 
 
 def pool_size_arg(text: str) -> int | str:
@@ -131,7 +128,6 @@ def fit(
     run: str | None,
     ckv: CollectiveKVConfig | None,
     tc,
-    kv_rank: int = 0,
     init: str = "fit",
     init_users: int = 0,
     init_tokens: int = 0,
@@ -160,20 +156,16 @@ def fit(
             f"{dataset_uri} has {dmarker['items']}"
         )
     auto: dict = {}
-    if pool_size_auto and not kv_rank:
+    if pool_size_auto:
         available = cached_tokens(dataset_uri, checkpoint, users=init_users, seed=tc.seed)
         tokens = min(available, init_tokens) if init_tokens else available
         ckv = dataclasses.replace(ckv, pool_size=auto_pool_size(tokens))
         auto = {"pool_size_auto": True, "cached_tokens": available}
         log.info("--pool-size auto: M=%d for the %d cached tokens to fit to", ckv.pool_size, tokens)
-    if kv_rank:
-        rc = dataclasses.replace(base.cfg, kv_rank=kv_rank)
-        name = run or f"{dmarker['name']}-lowrank-r{kv_rank}"
-    else:
-        rc = dataclasses.replace(base.cfg, collective_kv=ckv)
-        name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}" + (
-            "" if ckv.share == "kv" else f"-share-{ckv.share}"
-        )
+    rc = dataclasses.replace(base.cfg, collective_kv=ckv)
+    name = run or f"{dmarker['name']}-ckv-m{ckv.pool_size}-u{ckv.user_dim}" + (
+        "" if ckv.share == "kv" else f"-share-{ckv.share}"
+    )
     model = Ranker(rc, n_items=int(marker["n_items"]))
     # everything but the compressed cache's new modules, which must be all that is missing
     missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
@@ -184,7 +176,7 @@ def fit(
             f"missing {sorted(set(missing) - new)}"
         )
     init_stats: dict = {"init": init}
-    init_tokens = init_tokens or default_init_tokens(None if kv_rank else ckv.pool_size)
+    init_tokens = init_tokens or default_init_tokens(ckv.pool_size)
     if init == "fit" and not resume:
         t_init = time.perf_counter()
         xs, user = collect_kv_inputs(
@@ -197,19 +189,12 @@ def fit(
         )
         for i, (layer, x) in enumerate(zip(model.layers, xs, strict=True)):
             att = layer.self_attn
-            if kv_rank:
-                stats = {"kv_rel_error": att.init_low_rank(torch.from_numpy(x))}
-            else:
-                stats = init_from_projections(
-                    att.ckv, torch.from_numpy(x), att.k_proj, att.v_proj, seed=tc.seed + i
-                )
+            stats = init_from_projections(
+                att.ckv, torch.from_numpy(x), att.k_proj, att.v_proj, seed=tc.seed + i
+            )
             init_stats |= {f"layer{i}_{k}": round(v, 4) for k, v in stats.items()}
         init_stats["init_tokens"] = len(user)
-        advice = (
-            None
-            if kv_rank
-            else thin_pool_advice(ckv.pool_size, len(user), 0 if init_users else init_tokens)
-        )
+        advice = thin_pool_advice(ckv.pool_size, len(user), 0 if init_users else init_tokens)
         if advice:
             log.warning(advice)
         init_stats["init_seconds"] = round(time.perf_counter() - t_init, 1)
@@ -226,22 +211,19 @@ def fit(
         base_uri=checkpoint,
         extra_meta={
             "base_checkpoint": checkpoint,
-            "collective_kv": ckv.to_dict() if ckv and not kv_rank else None,
-            "kv_rank": kv_rank,
+            "collective_kv": ckv.to_dict(),
             **init_stats,
         },
     )
-    ratio = (
-        kv_rank / (2 * rc.kv_width)  # fp16 latent vs fp16 K and V
-        if kv_rank
-        else compression_ratio(ckv, rc.n_layers, rc.kv_width)
-    )
+    ratio = compression_ratio(ckv, rc.n_layers, rc.kv_width)
     return {
         **summary,
         "job": "train_kv_pool",
         "base_checkpoint": checkpoint,
-        **({"kv_rank": kv_rank} if kv_rank else {"pool_size": ckv.pool_size, **auto}),
-        **({} if kv_rank else {"user_dim": ckv.user_dim, "share": ckv.share}),
+        "pool_size": ckv.pool_size,
+        **auto,
+        "user_dim": ckv.user_dim,
+        "share": ckv.share,
         "ratio": round(ratio, 5),
         "base_distill_weight": tc.base_distill_weight,
         **init_stats,
@@ -284,17 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         help="weight of the routers' balance loss (pool entries used evenly)",
     )
     g.add_argument(
-        "--kv-rank",
-        type=int,
-        default=0,
-        help="fit the low-rank (MLA-style) baseline instead: R fp16 numbers per token and "
-        "layer (CollectiveKV with d_u stores as many bytes at R = 2 + 2 d_u)",
-    )
-    g.add_argument(
         "--init",
         choices=["fit", "random"],
         default="fit",
-        help="fit: k-means pools (or PCA for --kv-rank) from the trained KV; random: from scratch",
+        help="fit: k-means pools from the trained KV; random: from scratch",
     )
     g.add_argument(
         "--init-users",
@@ -306,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "--init-tokens",
         type=int,
         default=0,
-        help=f"cached tokens the pools are fitted to (0: {INIT_TOKENS_PER_ENTRY} an entry, "
-        f"{LOW_RANK_INIT_TOKENS} for --kv-rank)",
+        help=f"cached tokens the pools are fitted to (0: {INIT_TOKENS_PER_ENTRY} an entry)",
     )
     add_train_args(p)
     # fine-tuning from a trained ranker needs far fewer epochs than training it; over so few
@@ -337,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
             balance_weight=a.balance_weight,
             **CollectiveKVConfig.share_flags(a.share),
         )
-        if a.kv_rank < 0:
-            raise InputError(f"--kv-rank must be >= 0, got {a.kv_rank}")
         return fit(
             a.dataset_uri,
             a.checkpoint,
@@ -346,7 +318,6 @@ def main(argv: list[str] | None = None) -> int:
             run=a.run,
             ckv=ckv,
             tc=train_config(a),
-            kv_rank=a.kv_rank,
             init=a.init,
             init_users=a.init_users,
             init_tokens=a.init_tokens,

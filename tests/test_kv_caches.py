@@ -1,23 +1,29 @@
 """The compressed caches besides CollectiveKV's pools: the low-rank (MLA-style) and int8
-baselines, and which parameters a cache-only fine-tune (`train_kv_pool --tune kv`) trains."""
+baselines (benchmarks/), plugged into the ranker, and which parameters a cache-only fine-tune
+(`train_kv_pool --tune kv`) trains."""
 
 from __future__ import annotations
 
 import torch
 
 from benchmarks.kv_sweep import quantize_int8
+from benchmarks.low_rank import attach
 from tests.test_ranker import ATOL, CKV_MODES, assert_close, candidates, ragged_history, tiny_ranker
 
 
 def test_low_rank_kv_baseline_scores_like_its_reference_and_starts_from_pca():
-    model = tiny_ranker(kv_rank=4)
+    model = attach(tiny_ranker(), rank=4)
     h, c = ragged_history(), candidates()
-    assert_close(model.score(model.prefill(h), c), model.score_reference(h, c), atol=ATOL, rtol=0)
+    plain = tiny_ranker().score(tiny_ranker().prefill(h), c)
+    cached = model.score(model.prefill(h), c)
+    assert_close(cached, model.score_reference(h, c), atol=ATOL, rtol=0)
+    assert not torch.allclose(cached, plain)  # the cache's K and V are the latent's
     x = torch.randn(400, 32)
-    assert 0 < model.layers[0].self_attn.init_low_rank(x) < 1
+    att = model.layers[0].self_attn
+    assert 0 < att.kv_map.init_from(att.k_proj, att.v_proj, x) < 1
     # at the full rank of the joint K/V (d_model 32) the PCA start reconstructs it exactly
-    exact = tiny_ranker(kv_rank=32)
-    assert exact.layers[0].self_attn.init_low_rank(x) < 1e-6
+    att = attach(tiny_ranker(), rank=32).layers[0].self_attn
+    assert att.kv_map.init_from(att.k_proj, att.v_proj, x) < 1e-6
 
 
 def test_compressed_kv_parameters_are_the_caches_own():
@@ -36,9 +42,11 @@ def test_compressed_kv_parameters_are_the_caches_own():
     assert not any(
         "_v" in n for n in tiny_ranker(CKV_MODES["k_shared_only"]).compressed_kv_parameters()
     )
-    low = tiny_ranker(kv_rank=4).compressed_kv_parameters()
+    low = attach(tiny_ranker(), rank=4).compressed_kv_parameters()
     assert sorted(low) == sorted(
-        f"layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("kv_down", "k_up", "v_up")
+        f"layers.{i}.self_attn.kv_map.{m}.weight"
+        for i in range(2)
+        for m in ("kv_down", "k_up", "v_up")
     )
 
 

@@ -174,7 +174,7 @@ def test_auto_pool_size_is_the_largest_the_tokens_fill():
     assert t.auto_pool_size(400_000) == t.AUTO_POOL_SIZES[1] == 4096
     assert t.auto_pool_size(0) == t.AUTO_POOL_SIZES[0]
     # the tokens fitted by default grow with the pool: 204,800 for 4,096 entries
-    assert t.default_init_tokens(4096) == 204_800 and t.default_init_tokens(None) == 50_000
+    assert t.default_init_tokens(4096) == 204_800 and t.default_init_tokens(1024) == 51_200
     assert t.pool_size_arg("auto") == "auto" and t.pool_size_arg("256") == 256
     with pytest.raises(argparse.ArgumentTypeError, match="whole number or 'auto', got 'big'"):
         t.pool_size_arg("big")

@@ -104,6 +104,15 @@ class TrainConfig(BaseTrainConfig):
             raise InputError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
 
 
+def prepare_model(model: torch.nn.Module, prepare: tuple[str, dict] | list) -> None:
+    """Call ``prepare``'s "module:function" on ``model`` with its kwargs."""
+    import importlib
+
+    target, kwargs = prepare
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(model, **kwargs)
+
+
 def checkpoint_uri(out: str, run: str) -> str:
     return storage.join(out, "checkpoints", run)
 
@@ -129,6 +138,8 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(tc.seed)
     n_items = config["n_items"]
     model = Ranker(rc, n_items=n_items)
+    if config.get("prepare"):  # a benchmark's change to the model, before any weight loads
+        prepare_model(model, config["prepare"])
     if rc.reads_vectors:
         table, _ = item_table(config["vectors_uri"], n_items)
         model.set_item_table(table)
@@ -258,20 +269,23 @@ def train(
     extra_meta: dict | None = None,
     teacher_labels: str | None = None,
     base_uri: str | None = None,
+    prepare: tuple[str, dict] | None = None,
 ) -> dict:
     """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
     ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
     label_teacher folder) the epochs run over its labelled examples, with the distillation
     term. ``base_uri``: the published ranker a fine-tune distils from
-    (``tc.base_distill_weight``)."""
+    (``tc.base_distill_weight``). ``prepare``: ("module:function", kwargs), called on the model
+    in every worker before weights load - how a benchmark trains a model it changed (a
+    compressed-cache baseline); the published checkpoint then loads only through it."""
 
     from pipelines.common.ray_runtime import init_ray
 
     t0 = time.perf_counter()
     dataset_uri, out = storage.pinned(dataset_uri), storage.absolute(out)
     vectors_uri = storage.pinned(vectors_uri) if vectors_uri else None
-    if tc.tune == "kv" and not (rc.collective_kv or rc.kv_rank):
-        raise InputError("--tune kv needs a compressed cache (CollectiveKV or --kv-rank) to train")
+    if tc.tune == "kv" and not (rc.collective_kv or prepare):
+        raise InputError("--tune kv needs a compressed cache (CollectiveKV) to train")
     if tc.base_distill_weight > 0 and not base_uri:
         raise InputError(
             "--base-distill-weight needs the trained ranker a fine-tune starts from: "
@@ -315,6 +329,7 @@ def train(
         "dataset_uri": dataset_uri,
         "init_uri": init_uri,
         "base_uri": storage.pinned(base_uri) if base_uri else None,
+        "prepare": prepare,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
     }
     log.info(
@@ -376,6 +391,7 @@ def train(
                 "source": best_dir,
                 "latest": trained.latest,
                 "n_items": n_items,
+                "prepare": prepare,
                 **(extra_meta or {}),
             }
         )
