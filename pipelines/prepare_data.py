@@ -34,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from artifacts import storage
+from models.config import option
 from models.errors import InputError
 from pipelines.common import cli, jobs, sources
 
@@ -46,8 +47,8 @@ DEFAULT_THRESHOLDS = (1.5, 2.5, 3.5, 4.5)  # 5 feedback buckets on a 0.5..5 or 1
 class PrepareConfig:
     """How interactions become feedback, splits and negatives."""
 
-    negatives: int = 100  # sampled negatives per user for the sampled-metric protocol
-    seed: int = 0  # base seed of the per-user negative sampler
+    negatives: int = option(100, "sampled negatives stored per test user (the sampled metrics)")
+    seed: int = option(0, "base seed of the per-user negative sampler")
     rating_thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # feedback = #thresholds <= rating
 
     def __post_init__(self) -> None:
@@ -255,15 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-dir",
         help="folder with the built-in datasets (default: $KVRANK_DATA_DIR, ../shared/data)",
     )
-    p.add_argument(
-        "--negatives",
-        type=int,
-        default=PrepareConfig.negatives,
-        help="sampled negatives stored per test user (the sampled metrics)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=PrepareConfig.seed, help="seed of the sampled negatives"
-    )
+    cli.add_fields(p, PrepareConfig, "splits", only=("negatives", "seed"))
     p.add_argument(
         "--rating-thresholds",
         default=",".join(map(str, DEFAULT_THRESHOLDS)),
@@ -322,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             thresholds = tuple(float(x) for x in a.rating_thresholds.split(",") if x.strip())
         except ValueError as e:
             raise InputError(f"--rating-thresholds: {e}") from e
-        cfg = PrepareConfig(negatives=a.negatives, seed=a.seed, rating_thresholds=thresholds)
+        cfg = cli.from_args(a, PrepareConfig, rating_thresholds=thresholds)
         storage.check_writable(a.out)  # fail before reading anything when --out is unusable
         log.info("reading %s", a.dataset)
         return prepare(source_from_args(a), a.out, cfg)
