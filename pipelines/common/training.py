@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +28,6 @@ from models.config import option
 from models.errors import InputError
 
 log = logging.getLogger("kvrank.training")
-
-C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -86,15 +84,11 @@ class Trained:
     history: list[dict]
 
 
-def _run_path(train_root: str) -> str:
-    return storage.join(train_root, RUN_NAME)
-
-
 def resume_check(train_root: str, run: str, resume: bool) -> None:
     """A fresh start under a run that has trained before would mix two trainings when the
     best epoch is picked: refused. ``--resume`` continues it: Ray Train finds the run's
     checkpoint snapshot under the same name and hands the loop its latest checkpoint."""
-    started = storage.exists(storage.join(_run_path(train_root), SNAPSHOT))
+    started = storage.exists(storage.join(train_root, RUN_NAME, SNAPSHOT))
     if started and not resume:
         raise InputError(
             f"run {run!r} has already trained under {train_root}: pass --resume to continue "
