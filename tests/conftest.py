@@ -12,7 +12,7 @@ from pipelines.common import sources
 
 # the slow tier: every test that starts a Ray (embedded or a cluster) or needs the tiny trained
 # chain; `make test-fast` runs the rest (`-m "not slow"`)
-RAY_FIXTURES = {"ray_local", "ray_head", "tiny_trained"}
+RAY_FIXTURES = {"ray_local", "ray_cluster", "tiny_trained"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,86 +86,71 @@ def s3_bucket(s3_endpoint) -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """A separate ``ray start --head`` cluster (as a platform team runs one) for job submission.
+def ray_cluster():
+    """A three-node Ray cluster on this machine (``tests.cluster``), as a platform team runs one:
+    jobs go to it with ``ray job submit``, the app with ``serve deploy``. {"address": the
+    dashboard's URL, "env": the environment its commands run with}.
 
-    Token auth is off for this local cluster (Ray 2.60 turns it on by default). The head runs
-    with ``--block`` in its own process group, so stopping it kills exactly its processes and
-    never another Ray on this machine (``ray stop`` would kill them all).
+    Token auth is off for this throwaway cluster (Ray 2.60 turns it on by default). The cluster
+    runs in its own process group, so stopping it kills exactly its processes and never another
+    Ray on this machine (``ray stop`` would kill them all); its workers exit with their raylets.
     """
+    import json
     import signal
     import subprocess
     import sys
     import time
-    import urllib.request
+
+    from pipelines.common import ray_runtime
 
     bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{bindir}:{os.environ.get('PATH', '')}")
-    dash = free_port()
-    logfile = open(tmp_path_factory.mktemp("ray_head") / "head.log", "w")  # noqa: SIM115
+    env = dict(
+        os.environ,
+        RAY_AUTH_MODE="disabled",
+        PATH=f"{bindir}:{os.environ.get('PATH', '')}",
+        # Ray Train's controller polls as on the embedded Ray (ray_runtime.EMBEDDED_TRAIN_POLL_S)
+        RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=ray_runtime.EMBEDDED_TRAIN_POLL_S,
+        # an actor pool starts its actors asynchronously and hands blocks to the first one ready:
+        # on a loaded machine one actor did all the work before the other had a node (seen in
+        # CI). Waiting for the whole pool makes the placement the tests check certain.
+        RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S="300",
+    )
+    env.pop("RAY_ADDRESS", None)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
-        [
-            os.path.join(bindir, "ray"),
-            "start",
-            "--head",
-            "--block",
-            f"--port={free_port()}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dash}",
-            "--include-dashboard=true",
-            "--num-cpus=1",
-            "--disable-usage-stats",
-            # its own agent ports, so an in-process Ray of the same test session (which takes
-            # the default ports) cannot keep this head's job agent from starting
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-        ],
+        [sys.executable, "-m", "tests.cluster"],
+        cwd=repo,
         env=env,
-        stdout=logfile,
-        stderr=subprocess.STDOUT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
-    address = f"http://127.0.0.1:{dash}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{address}/api/version", timeout=2):
-                break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"ray start --head did not come up; see {logfile.name}")
-            time.sleep(1)
-    # The dashboard answers before the node's job agent is up ("No available agent to submit
-    # job"): wait until a trivial job has been accepted and has finished.
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail("the three-node Ray cluster did not start (python -m tests.cluster)")
+        address = json.loads(line)["address"]
+        # The dashboard answers before the head's job agent is up ("No available agent to
+        # submit job"): wait until a trivial job has been accepted and has finished.
+        from ray.job_submission import JobSubmissionClient
 
-    client = JobSubmissionClient(address)
-    while True:
-        try:
-            job = client.submit_job(entrypoint="true")
-            break
-        except RuntimeError:
-            if time.time() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"the Ray head at {address} never accepted a job")
-            time.sleep(1)
-    while client.get_job_status(job) not in {
-        JobStatus.SUCCEEDED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-    }:
-        time.sleep(0.5)
-    yield {"address": address, "env": env}
-    # a throwaway cluster: `ray start --block` did not exit on SIGTERM within 30 s (it always
-    # ran into the timeout), so its process group is killed outright; its workers exit with
-    # their raylet
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    logfile.close()
+        client = JobSubmissionClient(address)
+        deadline = time.time() + 120
+        while True:
+            try:
+                job = client.submit_job(entrypoint="true")
+                break
+            except RuntimeError:
+                if time.time() > deadline:
+                    pytest.fail(f"the Ray head at {address} never accepted a job")
+                time.sleep(0.5)
+        while not client.get_job_status(job).is_terminal():
+            time.sleep(0.2)
+        yield {"address": address, "env": env}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

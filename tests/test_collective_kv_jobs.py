@@ -20,7 +20,7 @@ from models.ranker import History, Ranker
 from pipelines import analyze_kv, build_user_states, evaluate, train_kv_pool
 from pipelines.common import kv_inputs
 from tests.test_ranker import tiny_ranker
-from tests.tiny import N_USERS, TINY_TRAIN, run_json
+from tests.tiny import N_USERS, run_json
 
 
 def tiny_ckv_ranker(user_dim: int = 2, share: str = "kv") -> Ranker:
@@ -109,6 +109,8 @@ def test_the_pools_are_fitted_to_enough_users_for_the_token_budget():
 
 
 def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, capsys):
+    """analyze_kv on the tiny chain's ranker, then what the chain's train_kv_pool and
+    build_user_states made of it (tests.tiny.tiny_chain), evaluated from the stored states."""
     out, ds, base = str(tmp_path / "out"), tiny_trained["dataset"], tiny_trained["base"]
     analysis = run_json(
         capsys,
@@ -130,14 +132,8 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     for png in ("spectrum.png", "sharing.png"):
         assert storage.read_file(analysis["report"], png)[:4] == b"\x89PNG"
 
-    fit = run_json(
-        capsys,
-        train_kv_pool.main,
-        ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
-        + ["--run", "ckv", "--user-dim", "2"]  # --pool-size auto, the default
-        + ["--init-tokens", "100", "--epochs", "1", "--max-steps", "2", *TINY_TRAIN]
-        + ["--base-distill-weight", "1", "--tune", "kv"],
-    )
+    # the tiny chain's pool fit, made with train_kv_pool's command line (tests.tiny.TINY_FIT)
+    fit = tiny_trained["fit"]
     # auto sizes the pool to the 100 tokens it was given to fit to: under 20 an entry even at the
     # smallest automatic size, so that one
     assert fit["init_tokens"] == 100 and fit["pool_size_auto"]
@@ -191,11 +187,7 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
         elif name in base_weights:
             assert torch.equal(w, base_weights[name]), name
 
-    built = run_json(
-        capsys,
-        build_user_states.main,
-        ["--dataset-uri", ds, "--checkpoint", fit["checkpoint"], "--out", out, "--actors", "1"],
-    )
+    built = tiny_trained["states"]  # build_user_states --actors 1 of that fit
     # tokens: BOS + the most recent max_len (10) items of history + validation item
     inputs = build_user_states.state_inputs(ds, include_test=False)
     tokens = int(inputs["input"].list.len().clip(upper_bound=10).sum()) + N_USERS

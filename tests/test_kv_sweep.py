@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import kv_sweep
+from models.config import CollectiveKVConfig
 from pipelines import train_kv_pool
 
 
@@ -81,7 +82,7 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
     with pytest.raises(RuntimeError, match="ran out"):
         kv_sweep.main(
             ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
-            + ["--configs", "16:1", "--low-ranks", "", "--max-users", "20", "--json", str(path)]
+            + ["--configs", "16:2", "--low-ranks", "", "--max-users", "20", "--json", str(path)]
         )
     result = json.loads(path.read_text())
     # the two baselines scored before the first fit are on disk, marked incomplete
@@ -95,7 +96,7 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
 
     # run again without --resume, it refuses before any work and the rows stay on disk
     args = ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
-    args += ["--configs", "16:1", "--low-ranks", "", "--max-users", "20", "--json", str(path)]
+    args += ["--configs", "16:2", "--low-ranks", "", "--max-users", "20", "--json", str(path)]
     stored = path.read_text()
     with pytest.raises(SystemExit, match="did not finish: give --resume"):
         kv_sweep.main(args)
@@ -112,17 +113,26 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_finished(
     path.write_text(stored)
 
     # resumed: the uncompressed row is scored again (to check it), int8 is not, and only the
-    # missing fit runs; the stored rows come through unchanged
-    scored = []
+    # missing fit runs; the stored rows come through unchanged. The fit it asks for (M=16,
+    # d_u=2 on the tiny chain's base) is the one the tiny chain made already: it is handed over
+    # instead of being fitted twice, and the sweep builds and scores its states as any other.
+    scored, fits = [], []
     ranks_for = kv_sweep.ranks_for
     monkeypatch.setattr(
         kv_sweep, "ranks_for", lambda *a, **kw: scored.append(1) or ranks_for(*a, **kw)
     )
+
+    def the_chains_fit(dataset_uri, checkpoint, out, *, run, ckv, **kw):
+        fits.append((checkpoint, ckv))
+        return tiny_trained["fit"]
+
+    monkeypatch.setattr(train_kv_pool, "fit", the_chains_fit)
     kv_sweep.main(args + ["--resume"])
     resumed = json.loads(path.read_text())
     assert resumed["complete"] is True and resumed["resumed_rows"] == 2
     assert resumed["rows"][:2] == result["rows"]
-    assert [r["method"] for r in resumed["rows"][2:]] == ["CollectiveKV M=16 d_u=1"]
+    assert [r["method"] for r in resumed["rows"][2:]] == ["CollectiveKV M=16 d_u=2"]
+    assert fits == [(base["checkpoint"], CollectiveKVConfig(pool_size=16, user_dim=2))]
     assert len(scored) == 2  # uncompressed (the check) + the new row
     assert resumed["seconds"] >= result["seconds"]
 

@@ -1,5 +1,7 @@
-"""prepare_data submitted with ``ray job submit`` to a ``ray start --head`` cluster, as the README
-tells an operator to run it."""
+"""The jobs and the Serve app on a three-node Ray cluster (tests/cluster.py), as the operators'
+guide runs them: every job with ``ray job submit``, the app with ``serve deploy``. Placement is
+forced by resources, not left to luck: two actors or replicas of 0.75 CPU (or one CPU) cannot
+share a one-CPU node, so the work lands on more than one node."""
 
 from __future__ import annotations
 
@@ -7,97 +9,24 @@ import json
 import os
 import subprocess
 import sys
+import time
+
+import httpx
+import pytest
+import yaml
 
 from pipelines.prepare_data import load_dataset
+from tests.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
 
 
-def submit(
-    ray_head: dict, *job_args: str, job: str = "prepare_data"
-) -> subprocess.CompletedProcess:
+def submit(cluster: dict, *job_args: str, job: str = "prepare_data") -> subprocess.CompletedProcess:
     """``ray job submit --working-dir <repo> -- python -m pipelines.<job> <job_args>``."""
-    ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    cmd = [
-        ray,
-        "job",
-        "submit",
-        "--address",
-        ray_head["address"],
-        "--working-dir",
-        REPO,
-        "--",
-        "python",
-        "-m",
-        f"pipelines.{job}",
-        *job_args,
-    ]
-    return subprocess.run(cmd, env=ray_head["env"], capture_output=True, text=True, timeout=300)
-
-
-def test_prepare_data_as_a_ray_job(ray_head, data_dir, tmp_path):
-    proc = submit(
-        ray_head, "--dataset", "ml-latest-small", "--data-dir", data_dir, "--out", str(tmp_path)
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "succeeded" in proc.stdout + proc.stderr
-    summaries = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"job": "prepare_data"')]
-    assert len(summaries) == 1
-    summary = json.loads(summaries[0])
-    assert (summary["users"], summary["interactions"]) == (610, 100_836)
-    assert load_dataset(summary["out"])["splits"].height == 610
-
-
-def test_failed_ray_job_reports_the_error(ray_head, tmp_path):
-    proc = submit(ray_head, "--dataset", "no-such-set", "--out", str(tmp_path))
-    assert proc.returncode != 0
-    assert "unknown dataset 'no-such-set'" in proc.stdout + proc.stderr
-
-
-def test_encode_items_as_a_ray_job_uses_the_cluster(ray_head, tmp_path):
-    """A Ray Data job: under ray job submit it joins the head (RAY_ADDRESS) instead of starting
-    its own Ray, and its actor pool runs there."""
-    import polars as pl
-
-    items = tmp_path / "items.csv"
-    pl.DataFrame({"item_id": range(12), "title": [f"board game {i}" for i in range(12)]}).write_csv(
-        items
-    )
-    seq = tmp_path / "seq.tsv"
-    pl.DataFrame({"user_id": [1, 2], "item_ids": ["0 1 2 3", "4 5 6"]}).write_csv(
-        seq, separator="\t"
-    )
-    out = tmp_path / "out"
-    prep = submit(
-        ray_head,
-        "--dataset",
-        "games",
-        "--items",
-        str(items),
-        "--sequences",
-        str(seq),
-        "--negatives",
-        "3",
-        "--out",
-        str(out),
-    )
-    assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-2000:]
-    proc = submit(
-        ray_head,
-        "--dataset-uri",
-        str(out / "datasets" / "games"),
-        "--out",
-        str(out),
-        "--actors",
-        "1",
-        job="encode_items",
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "joined the Ray cluster" in proc.stdout + proc.stderr
-    summary = json.loads(
-        [ln for ln in proc.stdout.splitlines() if ln.startswith('{"job": "encode_items"')][0]
-    )
-    assert (summary["encoded"], summary["errors"]) == (12, 0)
+    cmd = [os.path.join(BIN, "ray"), "job", "submit", "--address", cluster["address"]]
+    cmd += ["--working-dir", REPO, "--", "python", "-m", f"pipelines.{job}", *job_args]
+    return subprocess.run(cmd, env=cluster["env"], capture_output=True, text=True, timeout=300)
 
 
 def job_summary(proc: subprocess.CompletedProcess, job: str) -> dict:
@@ -110,41 +39,84 @@ def job_summary(proc: subprocess.CompletedProcess, job: str) -> dict:
     return json.loads(lines[0])
 
 
-def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
-    """train_ranker -> train_kv_pool (K shared only, the sharing option) -> build_user_states
-    -> evaluate --user-states, each submitted with ``ray job submit`` to the head: Ray Train and
-    the Ray Data actor pools run on the cluster, and the stored states are what the evaluation
-    reads. (The teacher jobs start their Ray and their trainer the same way; their own test,
-    tests/test_teacher_jobs.py, runs them on the embedded Ray.)"""
-    from artifacts import data, states
-    from models.collective_kv import state_bytes_per_token
-    from models.config import CollectiveKVConfig
-    from tests.tiny import (
-        N_USERS,
-        TINY_SHAPE,
-        TINY_TRAIN,
-        base_texts,
-        prepare,
-        write_catalog,
-        write_sequences,
-    )
+def nodes_of(cluster: dict, class_part: str) -> set[str]:
+    """The nodes that ran actors whose class name holds ``class_part`` (alive or finished)."""
+    from ray.util.state import list_actors
 
-    out = str(tmp_path / "out")
-    ds = prepare(tmp_path, out, write_catalog(tmp_path, base_texts()), write_sequences(tmp_path))
+    found = list_actors(
+        address=cluster["address"], detail=True, limit=10_000, raise_on_missing_output=False
+    )
+    return {a.node_id for a in found if class_part in (a.class_name or "") and a.node_id}
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tmp_path_factory) -> dict:
+    """The tiny dataset, prepared here (no Ray needed) on the disk the cluster shares."""
+    from tests.tiny import base_texts, prepare, write_catalog, write_sequences
+
+    d = tmp_path_factory.mktemp("cluster_tiny")
+    out = str(d / "out")
+    return {
+        "out": out,
+        "dataset": prepare(d, out, write_catalog(d, base_texts()), write_sequences(d)),
+    }
+
+
+def test_prepare_data_as_a_ray_job(ray_cluster, data_dir, tmp_path):
+    proc = submit(
+        ray_cluster, "--dataset", "ml-latest-small", "--data-dir", data_dir, "--out", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "succeeded" in proc.stdout + proc.stderr
+    summaries = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"job": "prepare_data"')]
+    assert len(summaries) == 1
+    summary = json.loads(summaries[0])
+    assert (summary["users"], summary["interactions"]) == (610, 100_836)
+    assert load_dataset(summary["out"])["splits"].height == 610
+
+
+def test_failed_ray_job_reports_the_error(ray_cluster, tmp_path):
+    proc = submit(ray_cluster, "--dataset", "no-such-set", "--out", str(tmp_path))
+    assert proc.returncode != 0
+    assert "unknown dataset 'no-such-set'" in proc.stdout + proc.stderr
+
+
+def test_encode_items_as_a_ray_job_spreads_its_actors_over_the_nodes(ray_cluster, tiny_dataset):
+    """A Ray Data job: under ray job submit it joins the cluster (RAY_ADDRESS) instead of
+    starting its own Ray, and its two encoder actors of 0.75 CPU run on two nodes."""
+    ds, out = tiny_dataset["dataset"], tiny_dataset["out"]
+    # 60 items in batches of 8: 8 blocks for the two actors
+    args = ["--dataset-uri", ds, "--out", out, "--actors", "2", "--batch-size", "8"]
+    summary = job_summary(
+        submit(ray_cluster, *args, "--cpus-per-actor", "0.75", job="encode_items"),
+        "encode_items",
+    )
+    assert (summary["encoded"], summary["errors"]) == (60, 0)
+    assert len(nodes_of(ray_cluster, "EncoderActor")) == 2
+
+
+@pytest.fixture(scope="module")
+def chain(ray_cluster, tiny_dataset) -> dict:
+    """train_ranker -> train_kv_pool (K shared only, the sharing option) -> build_user_states
+    (two prefill actors), each submitted with ``ray job submit``: Ray Train and the Ray Data
+    actor pools run on the cluster. The jobs' summaries. (Evaluating from stored states is
+    checked in tests/test_collective_kv_jobs.py; on the cluster it is one more actor pool.)"""
+    from tests.tiny import TINY_SHAPE, TINY_TRAIN
+
+    ds, out = tiny_dataset["dataset"], tiny_dataset["out"]
     common = ["--dataset-uri", ds, "--out", out]
     base = job_summary(
         submit(
-            ray_head,
+            ray_cluster,
             *common,
             *["--run", "base", "--item-input", "id", "--epochs", "1", *TINY_SHAPE],
             job="train_ranker",
         ),
         "train_ranker",
     )
-    assert base["workers"] == 1 and not base["distilled"]
     fit = job_summary(
         submit(
-            ray_head,
+            ray_cluster,
             *common,
             *["--checkpoint", base["checkpoint"], "--run", "ckv", "--share", "k"],
             *["--pool-size", "16", "--user-dim", "2", "--init-users", "40"],
@@ -153,38 +125,90 @@ def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_head, tmp_path):
         ),
         "train_kv_pool",
     )
-    assert fit["share"] == "k" and fit["checkpoint"] == f"{out}/checkpoints/ckv"
     built = job_summary(
         submit(
-            ray_head,
+            ray_cluster,
             *common,
-            *["--checkpoint", fit["checkpoint"], "--actors", "1"],
+            *["--checkpoint", fit["checkpoint"], "--actors", "2"],
             job="build_user_states",
         ),
         "build_user_states",
     )
+    return {"base": base, "fit": fit, "states": built, "out": out}
+
+
+def test_ranker_and_collective_kv_chain_as_ray_jobs(ray_cluster, chain):
+    """The chain's jobs ran on the cluster, and the stored states are what the pools and the
+    sharing option make."""
+    from artifacts import data, states
+    from models.collective_kv import state_bytes_per_token
+    from models.config import CollectiveKVConfig
+    from tests.tiny import N_USERS
+
+    base, fit, built = chain["base"], chain["fit"], chain["states"]
+    assert base["workers"] == 1 and not base["distilled"]
+    assert fit["share"] == "k" and fit["checkpoint"] == f"{chain['out']}/checkpoints/ckv"
     model, _ = data.load_checkpoint(fit["checkpoint"])
     ckv = model.cfg.collective_kv
     assert ckv == CollectiveKVConfig(pool_size=16, user_dim=2, share_v=False)
     per_token = state_bytes_per_token(ckv, 2, model.cfg.kv_width)
     assert per_token == 2 * ((2 + 2 * 2) + 2 * model.cfg.kv_width)  # V stored whole
     assert (built["users"], built["state_bytes"]) == (N_USERS, built["tokens"] * per_token)
+    # two prefill actors of one CPU each: one per node
+    assert len(nodes_of(ray_cluster, "BuildStates")) == 2
     manifest, _ = states.read_states(built["user_states"])
     assert (
         manifest["share"] == "k"
         and [set(u) - {"layer"} for u in manifest["router_use"]]
         == [{"k_used", "k_use", "k_entropy_bits"}] * 2
     )
-    ev = job_summary(
-        submit(
-            ray_head,
-            *common,
-            *["--user-states", built["user_states"], "--actors", "1"],
-            job="evaluate",
-        ),
-        "evaluate",
-    )
-    assert ev["users"] == N_USERS
-    # scored from the stored states, next to the uncompressed ranker the pools were fitted to
-    for name in ("ranker", "uncompressed", "most_popular"):
-        assert 0 <= ev[f"{name}_full_ndcg10"] <= ev[f"{name}_full_hr10"] <= 1
+
+
+def serve_cli(cluster: dict, *args: str) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(BIN, "serve"), *args, "--address", cluster["address"]]
+    return subprocess.run(cmd, env=cluster["env"], capture_output=True, text=True, timeout=120)
+
+
+def test_the_app_deployed_with_serve_deploy_ranks_across_nodes(ray_cluster, chain, tmp_path):
+    """infra/serve_config.yaml pointed at the chain's states, with two Ranker replicas of 0.75
+    CPU, deployed with ``serve deploy`` (the Serve REST API), ranks every user over HTTP."""
+    config = yaml.safe_load(open(os.path.join(REPO, "infra", "serve_config.yaml")))
+    port = free_port()
+    config["proxy_location"] = "HeadOnly"
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    app = config["applications"][0]
+    app["args"] |= {
+        "manifest_uri": chain["states"]["user_states"],
+        "ranker_min_replicas": 2,
+        "ranker_max_replicas": 2,
+        "ranker_num_cpus": 0.75,
+    }
+    app.pop("deployments", None)  # the replicas as the settings say (the file's are for one node)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    deployed = serve_cli(ray_cluster, "deploy", str(path))
+    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            status = serve_cli(ray_cluster, "status").stdout
+            assert "DEPLOY_FAILED" not in status, status
+            assert time.time() < deadline, f"the app never became healthy:\n{status}"
+            time.sleep(1)
+        statuses = []
+        with httpx.Client(timeout=60) as client:
+            for user in range(40):
+                r = client.post(
+                    f"http://127.0.0.1:{port}/v1/rank",
+                    json={"user_id": user, "candidate_item_ids": [1, 2, 3, 4, 5], "k": 3},
+                )
+                statuses.append(r.status_code)
+        assert statuses == [200] * 40
+        assert len(nodes_of(ray_cluster, "Ranker")) == 2  # 2 replicas x 0.75 CPU: one per node
+    finally:
+        serve_cli(ray_cluster, "shutdown", "-y")

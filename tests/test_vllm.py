@@ -18,7 +18,15 @@ from artifacts.data import item_titles
 from pipelines import encode_items, label_teacher, train_teacher
 from pipelines.common import teachers
 from tests.conftest import free_port
-from tests.tiny import TINY_TEACHER, run_json
+from tests.tiny import (
+    TINY_TEACHER,
+    base_texts,
+    prepare,
+    run_json,
+    untrained_states,
+    write_catalog,
+    write_sequences,
+)
 
 pytest.importorskip("vllm", reason="vLLM runs in .venv-vllm (make vllm-env)")
 pytestmark = pytest.mark.vllm
@@ -42,16 +50,19 @@ def test_encode_items_with_vllm_gives_the_hf_vectors(tiny, ray_local, capsys):
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory, tiny_trained):
-    """A tiny published teacher and CollectiveKV states on the tiny dataset."""
-    out, ds = str(tmp_path_factory.mktemp("vllm") / "out"), tiny_trained["dataset"]
+def teacher(tmp_path_factory, ray_local):
+    """A tiny published teacher and CollectiveKV states on the tiny dataset (of an untrained
+    ranker: these tests compare the teacher's engines, not the ranker)."""
+    d = tmp_path_factory.mktemp("vllm")
+    out = str(d / "out")
+    ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
     args = ["--dataset-uri", ds, "--out", out, "--run", "t", "--epochs", "1", *TINY_TEACHER]
     assert train_teacher.main(args) == 0
     return {
         "out": out,
         "dataset": ds,
         "teacher": train_teacher.teacher_uri(out, "t"),
-        "states": tiny_trained["states"],  # a ranker's build_user_states summary
+        "states": untrained_states(ds, out),  # a build_user_states summary
     }
 
 

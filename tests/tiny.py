@@ -79,12 +79,29 @@ TINY_TEACHER += ["--max-history", "5", "--batch-size", "4", "--negatives", "3", 
 TINY_TEACHER += ["--max-len", "10", "--max-steps", "3"]
 
 
-def tiny_chain(ds: str, out: str, actors: int = 1) -> dict:
+def main_json(main, args: list[str]) -> dict:
+    """A job's ``main(args)`` run outside a test (in a fixture): its one-line JSON summary."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(args)
+    assert rc == 0, f"{main.__module__} {args} exited {rc}"
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+# train_kv_pool's options in the tiny chain: the pool size automatic (16 for 100 tokens), d_u 2,
+# a two-step fine-tune of the cache alone, distilled from the base
+TINY_FIT = ["--run", "ckv", "--user-dim", "2", "--init-tokens", "100", "--epochs", "1"]
+TINY_FIT += ["--max-steps", "2", *TINY_TRAIN, "--base-distill-weight", "1", "--tune", "kv"]
+
+
+def tiny_chain(ds: str, out: str) -> dict:
     """On the tiny dataset ``ds``: train a one-epoch tiny id ranker (run "base"), fit its
-    CollectiveKV pools (run "ckv", M 16) and build every user's state, all under ``out``:
-    {"base", "fit", "states"}, the jobs' summaries (``states["user_states"]`` is the manifest
-    URI)."""
-    from models.config import CollectiveKVConfig
+    CollectiveKV pools (train_kv_pool's command line, ``TINY_FIT``) and build every user's
+    state, all under ``out``: {"base", "fit", "states"}, the jobs' summaries
+    (``states["user_states"]`` is the manifest URI)."""
     from pipelines import build_user_states, train_kv_pool, train_ranker
     from pipelines.common import ranker_training
 
@@ -93,15 +110,43 @@ def tiny_chain(ds: str, out: str, actors: int = 1) -> dict:
     )
     rc, tc = train_ranker.configs_from_args(args, 5)
     base = ranker_training.train(ds, None, out, "base", rc, tc)
-    fit = train_kv_pool.fit(
-        ds,
-        base["checkpoint"],
-        out,
-        run="ckv",
-        ckv=CollectiveKVConfig(pool_size=16),
-        tc=tc,
-        init_users=40,
-        init_tokens=200,
+    common = ["--dataset-uri", ds, "--out", out]
+    fit = main_json(train_kv_pool.main, [*common, "--checkpoint", base["checkpoint"], *TINY_FIT])
+    states = main_json(
+        build_user_states.main, [*common, "--checkpoint", fit["checkpoint"], "--actors", "1"]
     )
-    states = build_user_states.build(ds, fit["checkpoint"], out, actors=actors)
     return {"base": base, "fit": fit, "states": states}
+
+
+def untrained_states(ds: str, out: str) -> dict:
+    """Every user's CollectiveKV state on the tiny dataset from a ranker that was never trained
+    (seeded weights, published as train_kv_pool publishes a fine-tune): for tests of what
+    reads states and a checkpoint but does not depend on what the ranker learnt. One Ray Data
+    job (build_user_states) instead of the two training runs of ``tiny_chain``; its summary,
+    ``["user_states"]`` the manifest URI."""
+    import dataclasses
+    import io
+
+    import torch
+
+    from artifacts import storage
+    from models.ranker import Ranker
+    from pipelines import build_user_states, train_ranker
+
+    args = train_ranker.build_parser().parse_args(
+        ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--pool-size", "16", *TINY_SHAPE]
+    )
+    rc, tc = train_ranker.configs_from_args(args, 5)
+    n_items = int(storage.read_marker(ds)["items"])
+    torch.manual_seed(0)
+    buf = io.BytesIO()
+    torch.save(Ranker(rc, n_items=n_items).state_dict(), buf)
+    root = storage.join(out, "checkpoints", "untrained")
+    pub = storage.Publication(root)
+    pub.put_bytes("model.pt", buf.getvalue())
+    pub.put_bytes("ranker.json", rc.to_json().encode())
+    pub.put_bytes("train.json", json.dumps(dataclasses.asdict(tc)).encode())
+    pub.publish(
+        {"kind": "ranker_checkpoint", "dataset_uri": storage.pinned(ds), "n_items": n_items}
+    )
+    return build_user_states.build(ds, root, out, actors=1)
