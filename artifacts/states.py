@@ -14,6 +14,10 @@ One row per user:
 
 With sharing off for K (or V) the ``idx_k`` column is absent and ``u_k`` holds the whole key,
 float16 [length, kv_width]; ``Layout`` says which columns a model's states have.
+The serving store keeps each row as ONE packed value (``pack`` / ``unpack``): a 9-byte header
+(format, history items, cached tokens), the history's vids (int32) and feedback (int8), then the
+per-layer buffers in ``Layout.columns()`` order, their sizes fixed by the layout and the length.
+
 The state bytes are exactly the binary columns, so a folder's size in state is the closed form
 ``tokens * state_bytes_per_token``. Raw little-endian buffers keep the round trip exact (the
 fp16 user parts are stored bit for bit) and decode with one ``np.frombuffer`` per field.
@@ -23,6 +27,7 @@ No Ray here: the jobs and the Serve deployments both use these functions.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,3 +214,47 @@ def read_states(uri: str) -> tuple[dict, pa.Table]:
         raise InputError(f"{uri} is not a user_states folder (kind {manifest.get('kind')!r})")
     parts = [storage.read_table(uri, f, marker=manifest) for f in manifest["state_files"]]
     return manifest, pa.concat_tables(parts)
+
+
+PACK_FORMAT = 1
+_HEADER = struct.Struct("<BII")  # format, history items, cached tokens
+
+
+def _itemsize(layout: Layout, field: str) -> int:
+    return layout.ckv.index_bytes if field.startswith("idx") else 2  # fp16 user parts
+
+
+def pack(row: dict, layout: Layout) -> bytes:
+    """One user's row as one value: header, vids, feedback, then every state buffer."""
+    hist = np.asarray(row["hist"], dtype="<i4")
+    fb = np.asarray(row["hist_fb"], dtype=np.int8)
+    length = int(row["length"])
+    parts = [_HEADER.pack(PACK_FORMAT, len(hist), length), hist.tobytes(), fb.tobytes()]
+    for c in layout.columns():
+        buf = row[c]
+        field = c.split("_", 1)[1]
+        if len(buf) != length * layout.per_token(field) * _itemsize(layout, field):
+            raise ValueError(f"{c} holds {len(buf)} bytes, not {length} tokens of this layout")
+        parts.append(buf)
+    return b"".join(parts)
+
+
+def unpack(user_id: int, value: bytes, layout: Layout) -> dict:
+    """The row ``pack`` packed (``user_id`` is the key it was stored under)."""
+    fmt, n, length = _HEADER.unpack_from(value)
+    if fmt != PACK_FORMAT:
+        raise ValueError(f"a packed state of format {fmt}; this code reads {PACK_FORMAT}")
+    at = _HEADER.size
+    hist = np.frombuffer(value, dtype="<i4", count=n, offset=at).tolist()
+    at += 4 * n
+    fb = np.frombuffer(value, dtype=np.int8, count=n, offset=at).tolist()
+    at += n
+    row = {"user_id": int(user_id), "hist": hist, "hist_fb": fb, "length": length}
+    for c in layout.columns():
+        field = c.split("_", 1)[1]
+        size = length * layout.per_token(field) * _itemsize(layout, field)
+        row[c] = value[at : at + size]
+        at += size
+    if at != len(value):
+        raise ValueError(f"a packed state of {len(value)} bytes; its layout reads {at}")
+    return row

@@ -165,6 +165,31 @@ def serving() -> list[str]:
     ]
 
 
+def state_store() -> list[str]:
+    report = load("state_store.json")
+    out = [
+        "| engine | users | load | disk per user (packed) | lookup of 32 users p50 / p99 "
+        "| durable events/s, 1 / 64 clients | reopened after kill -9 | acknowledged lost | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        out.append(
+            f"| {r['engine']} | {r['users']:,} | {r['load_s']:,.0f} s "
+            f"| {r['disk_bytes_per_user']:,.0f} B ({r['packed_bytes_per_user']:,}) "
+            f"| {r['lookup32_p50_ms']} / {r['lookup32_p99_ms']} ms "
+            f"| {r['events_per_s_c1']:,} / {r['events_per_s_c64']:,} "
+            f"| {r['kill9_to_serving_s']} s | {r['acked_lost']} of {r['kill9_acked']} "
+            f"| {r['rss_peak_mib']:,} MiB |"
+        )
+    return out + [
+        "",
+        f"`benchmarks.state_store`: synthetic users of {report['rows'][0]['tokens_per_user']} "
+        "cached tokens in the default layout (2 layers, M 1,024, d_u 1), one shard's database "
+        f"on this machine's disk ({report['machine']}); events are fsynced before they are "
+        "acknowledged, 64 clients share commits (group commit).",
+    ]
+
+
 def scoring() -> list[str]:
     out = [
         "| device | history | candidates | MIS scores/s | full forward per candidate | MIS "
@@ -205,6 +230,7 @@ def render() -> str:
         ("### Quality", quality()),
         ("### CollectiveKV: the stored state and what it keeps", collective_kv() + [""] + grid()),
         ("### Serving throughput", serving()),
+        ("### State store", state_store()),
         ("### Scoring and encoding", scoring()),
     ]
     body = [BEGIN, ""]

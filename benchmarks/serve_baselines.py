@@ -104,13 +104,15 @@ class BaselinesIngress:
     async def _rank(self, req: RankRequest, ranker) -> RankResponse:
         if ranker is None:
             raise HTTPException(status_code=404, detail="this baseline is not deployed")
-        vids = self.catalog.vids("candidate_item_ids", req.candidate_item_ids)
+        vids, unknown = self.catalog.vids(
+            "candidate_item_ids", req.candidate_item_ids, req.skip_unknown
+        )
         row = await self.stores[req.user_id % len(self.stores)].get.remote(req.user_id)
         known = row is not None
         if not known:
             row = await self.ranker.empty_state.remote(req.user_id)
         top, scores = await ranker.rank.remote((row, vids, req.k))
-        return self.catalog.response(req.user_id, row, known, top, scores)
+        return self.catalog.response(req.user_id, row, known, top, scores, unknown)
 
     @api.post("/v1/rank_full", response_model=RankResponse)
     async def rank_full(self, req: RankRequest) -> RankResponse:

@@ -8,10 +8,11 @@ Everything is loaded from ONE manifest (a ``build_user_states`` output): it name
 
 - ``Ingress`` (FastAPI): validates requests, maps item ids to vids, routes a user to their
   store shard and the candidates to a ranker replica. OpenAPI at ``/docs``.
-- ``UserStateStore<i>``: the compressed states of the users with ``user_id % shards == i``; one
-  replica each. An event becomes one more cached token (the ranker's ``extend``), is written to
-  the shard's log and only then acknowledged (``services.store`` documents the log, snapshots
-  and replay).
+- ``UserStateStore<i>``: the compressed states of the users with ``user_id % shards == i`` in
+  the embedded state engine (``artifacts.state_store``), one replica each. An event becomes one
+  more cached token (the ranker's ``extend``), is committed durably (with the events that
+  arrived within a few milliseconds: group commit) and only then acknowledged; an event with an
+  ``event_id`` is applied once however often it is sent (``services.store``).
 - ``Ranker``: model, item table and pools on its device; ``@serve.batch`` gathers concurrent
   requests and scores them in one expand + MIS forward. Stateless, autoscaled.
 
@@ -26,13 +27,14 @@ import dataclasses
 import logging
 import os
 import time
-from collections import defaultdict
+from typing import Annotated
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from artifacts.states import row_nbytes
@@ -41,15 +43,27 @@ from services.settings import ServeSettings
 log = logging.getLogger("kvrank.serve")
 
 BODY_LIMIT_ENV = "KVRANK_MAX_BODY_BYTES"
+# ids are int64 everywhere (datasets, states, the store): larger ones are refused at the door
+ID_MAX = 2**63 - 1
 
 # ----------------------------------------------------------------------------- HTTP schema
 
 
+ItemId = Annotated[StrictInt, Field(ge=-ID_MAX - 1, le=ID_MAX)]
+
+
 class RankRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: StrictInt = Field(ge=0, description="a user id; unknown users rank from no history")
-    candidate_item_ids: list[StrictInt] = Field(min_length=1, description="distinct item ids")
+    user_id: StrictInt = Field(
+        ge=0, le=ID_MAX, description="a user id (int64); unknown users rank from no history"
+    )
+    candidate_item_ids: list[ItemId] = Field(min_length=1, description="distinct item ids")
     k: StrictInt = Field(default=10, ge=1, description="how many of the best to return")
+    skip_unknown: bool = Field(
+        default=False,
+        description="rank the known candidates and list the unknown ones in the answer "
+        "(default: an unknown candidate fails the request with 422)",
+    )
 
 
 class ScoredItem(BaseModel):
@@ -62,14 +76,30 @@ class RankResponse(BaseModel):
     known_user: bool
     history_length: int
     items: list[ScoredItem]
+    unknown_item_ids: list[int] = Field(
+        default_factory=list, description="with skip_unknown: the candidates not in the catalog"
+    )
     note: str | None = None
 
 
 class EventRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    user_id: StrictInt = Field(ge=0)
-    item_id: StrictInt
-    feedback: StrictInt = Field(default=-1, ge=-1, description="feedback class, -1 unknown")
+    event_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="the client's idempotency key: an event sent again with the same id (a "
+        "retry) is applied once and gets the first answer",
+    )
+    user_id: StrictInt = Field(ge=0, le=ID_MAX)
+    item_id: ItemId
+    feedback: StrictInt = Field(
+        default=-1,
+        ge=-1,
+        le=2**31 - 1,
+        description="feedback class: -1 unknown, else 0 .. the model's feedback classes - 1 "
+        "(GET /v1/stats gives the count)",
+    )
 
 
 class EventResponse(BaseModel):
@@ -77,6 +107,9 @@ class EventResponse(BaseModel):
     history_length: int
     state_bytes: int
     acknowledged: bool = True
+    duplicate: bool = Field(
+        default=False, description="the event_id was applied before: this is its first answer"
+    )
 
 
 class UserResponse(BaseModel):
@@ -90,33 +123,72 @@ def bad_request(field: str, message: str) -> HTTPException:
     return HTTPException(status_code=422, detail=[{"loc": ["body", field], "msg": message}])
 
 
+async def answer(call, retry_after_s: int):
+    """Await a deployment call; its queue full (Serve's BackPressureError) or a store replica
+    fenced by a newer one (a rollout in progress) becomes 503 with Retry-After instead of a
+    500: the client retries and reaches a replica that serves."""
+    from ray.serve.exceptions import BackPressureError
+
+    from artifacts.state_store import Fenced
+
+    try:
+        return await call
+    except (BackPressureError, Fenced) as e:
+        raise HTTPException(
+            status_code=503,
+            detail="overloaded: try again later",
+            headers={"Retry-After": str(retry_after_s)},
+        ) from e
+
+
 class Catalog:
     """The served catalog: item ids <-> vids (the dataset the manifest names), and the
     response for a ranked list of vids."""
 
-    def __init__(self, ids: np.ndarray, vids: np.ndarray) -> None:
+    def __init__(self, ids: np.ndarray, vids: np.ndarray, feedback_classes: int) -> None:
         self.vid_of = dict(zip(ids.tolist(), vids.tolist(), strict=True))
         self.item_of = np.empty(len(ids), dtype=np.int64)
         self.item_of[vids] = ids
+        self.feedback_classes = feedback_classes
 
     @classmethod
     def load(cls, manifest_uri: str) -> "Catalog":
         from artifacts import storage
+        from models.config import RankerConfig
 
         manifest = storage.read_marker(manifest_uri)
         items = storage.read_table(
             manifest["dataset_uri"], "items.parquet", columns=["item_id", "vid"]
         )
-        return cls(items.column("item_id").to_numpy(), items.column("vid").to_numpy())
+        rc = RankerConfig.from_json(storage.read_file(manifest["checkpoint"], "ranker.json"))
+        return cls(
+            items.column("item_id").to_numpy(), items.column("vid").to_numpy(), rc.feedback_classes
+        )
 
-    def vids(self, field: str, item_ids: list[int]) -> list[int]:
+    def vids(self, field: str, item_ids: list[int], skip_unknown: bool = False):
+        """(vids of the known ids, the unknown ids); unknown ids fail the request unless
+        ``skip_unknown`` (and then at least one must be known)."""
         unknown = [i for i in item_ids if i not in self.vid_of]
-        if unknown:
+        if unknown and (not skip_unknown or len(unknown) == len(item_ids)):
             raise bad_request(field, f"unknown item id(s): {unknown[:10]}")
-        return [self.vid_of[i] for i in item_ids]
+        return [self.vid_of[i] for i in item_ids if i in self.vid_of], unknown
+
+    def check_feedback(self, feedback: int) -> None:
+        if feedback >= self.feedback_classes:
+            raise bad_request(
+                "feedback",
+                f"feedback is -1 (unknown) or a class 0..{self.feedback_classes - 1}, "
+                f"got {feedback}",
+            )
 
     def response(
-        self, user_id: int, row: dict, known: bool, top_vids: list[int], scores: list[float]
+        self,
+        user_id: int,
+        row: dict,
+        known: bool,
+        top_vids: list[int],
+        scores: list[float],
+        unknown: list[int],
     ) -> RankResponse:
         return RankResponse(
             user_id=user_id,
@@ -126,6 +198,7 @@ class Catalog:
                 ScoredItem(item_id=int(self.item_of[v]), score=s)
                 for v, s in zip(top_vids, scores, strict=True)
             ],
+            unknown_item_ids=unknown,
             note=None if known else "unknown user: ranked from an empty history",
         )
 
@@ -148,6 +221,7 @@ class Ranker:
             device=device,
             item_prior_uri=s.item_prior_uri,
             item_prior_weight=s.item_prior_weight,
+            slack_items=s.state_slack_items,
         )
         self.rank.set_max_batch_size(s.batch_max_size)
         self.rank.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
@@ -185,36 +259,59 @@ class Ranker:
 @serve.deployment
 class UserStateStore:
     def __init__(self, settings: dict, shard: int, ranker) -> None:
-        from services.store import ShardStore
+        from services.store import Committer, ShardStore
 
         s = ServeSettings(**settings)
         self.store = ShardStore(
-            s.manifest_uri, s.resolved_store_uri(), shard, s.shards, s.snapshot_every
+            s.manifest_uri, s.resolved_store_uri(), shard, s.shards, s.store_cache_mib
         )
+        self.commits = Committer(self.store, s.commit_wait_s)
         self.ranker = ranker
-        self.locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.locks: dict[
+            int, list
+        ] = {}  # user -> [lock, holders]: only users with events in flight
         self.size = Gauge(
             "kvrank_store_state_bytes",
-            description="bytes of compressed state in the shard",
+            description="packed bytes of state (and history ids) in the shard",
             tag_keys=("shard",),
         )
-        self.size.set(self.store.stats()["state_bytes"], tags={"shard": str(shard)})
         self.shard = shard
+        self._gauge()
 
-    def get(self, user_id: int) -> dict | None:
-        return self.store.get(user_id)
+    def _gauge(self) -> None:
+        self.size.set(self.store.stats()["packed_bytes"], tags={"shard": str(self.shard)})
 
-    async def append(self, user_id: int, vid: int, feedback: int) -> dict:
-        from services.engine import token_of
+    async def get(self, user_id: int) -> dict | None:
+        got = self.store.get(user_id)
+        return None if got is None else got[1]
 
-        async with self.locks[user_id]:  # one user's events apply in order
-            before = self.store.get(user_id)
-            if before is None:
-                before = await self.ranker.empty_state.remote(user_id)
-            after = await self.ranker.extend.remote(before, vid, feedback)
-            row = self.store.commit(user_id, before, token_of(before, after), vid, feedback)
-        self.size.set(self.store.stats()["state_bytes"], tags={"shard": str(self.shard)})
-        return {"history_length": len(row["hist"]), "state_bytes": row_nbytes(row)}
+    async def append(self, user_id: int, vid: int, feedback: int, key: str | None = None) -> dict:
+        from artifacts.state_store import Fenced
+
+        held = self.locks.setdefault(user_id, [asyncio.Lock(), 0])
+        held[1] += 1
+        try:
+            async with held[0]:  # one user's events apply in order
+                first = None if key is None else self.store.duplicate(key)
+                if first is not None:
+                    return first | {"duplicate": True}
+                got = self.store.get(user_id)
+                if got is None:
+                    version, before = 0, await self.ranker.empty_state.remote(user_id)
+                else:
+                    version, before = got
+                after = await self.ranker.extend.remote(before, vid, feedback)
+                answer = {"history_length": len(after["hist"]), "state_bytes": row_nbytes(after)}
+                write = self.store.write(user_id, version, after, vid, feedback, key, answer)
+                outcome = await self.commits.submit(write)
+        finally:
+            held[1] -= 1
+            if held[1] == 0:
+                del self.locks[user_id]
+        if outcome.status == "conflict":  # only another writer can have changed the user
+            raise Fenced(f"user {user_id} was changed by another writer of shard {self.shard}")
+        self._gauge()
+        return outcome.answer | {"duplicate": outcome.status == "duplicate"}
 
     def stats(self) -> dict:
         return self.store.stats()
@@ -255,9 +352,9 @@ class Ingress:
         self.counts["rejected"] += 1
         return bad_request(field, message)
 
-    def _vids(self, field: str, item_ids: list[int]) -> list[int]:
+    def _vids(self, field: str, item_ids: list[int], skip_unknown: bool = False):
         try:
-            return self.catalog.vids(field, item_ids)
+            return self.catalog.vids(field, item_ids, skip_unknown)
         except HTTPException:
             self.counts["rejected"] += 1
             raise
@@ -272,12 +369,14 @@ class Ingress:
     @app.post("/v1/rank", response_model=RankResponse)
     async def rank(self, req: RankRequest) -> RankResponse:
         self._check(req)
-        vids = self._vids("candidate_item_ids", req.candidate_item_ids)
+        vids, unknown = self._vids("candidate_item_ids", req.candidate_item_ids, req.skip_unknown)
         row, known = await self._row(req.user_id)
-        top_vids, scores = await self.ranker.rank.remote((row, vids, req.k))
+        top_vids, scores = await answer(
+            self.ranker.rank.remote((row, vids, req.k)), self.s.retry_after_s
+        )
         self.counts["rank_requests"] += 1
         self.counts["candidates"] += len(vids)
-        return self.catalog.response(req.user_id, row, known, top_vids, scores)
+        return self.catalog.response(req.user_id, row, known, top_vids, scores, unknown)
 
     def _check(self, req: RankRequest) -> None:
         n = len(req.candidate_item_ids)
@@ -299,15 +398,23 @@ class Ingress:
 
     @app.post("/v1/events", response_model=EventResponse)
     async def events(self, req: EventRequest) -> EventResponse:
-        (vid,) = self._vids("item_id", [req.item_id])
-        done = await self._store(req.user_id).append.remote(req.user_id, vid, req.feedback)
+        (vid,), _ = self._vids("item_id", [req.item_id])
+        try:
+            self.catalog.check_feedback(req.feedback)
+        except HTTPException:
+            self.counts["rejected"] += 1
+            raise
+        done = await answer(
+            self._store(req.user_id).append.remote(req.user_id, vid, req.feedback, req.event_id),
+            self.s.retry_after_s,
+        )
         self.counts["events"] += 1
         return EventResponse(user_id=req.user_id, **done)
 
     @app.get("/v1/users/{user_id}", response_model=UserResponse)
     async def user(self, user_id: int) -> UserResponse:
-        if user_id < 0:
-            raise self._bad("user_id", "user ids are >= 0")
+        if not 0 <= user_id <= ID_MAX:
+            raise self._bad("user_id", f"user ids are 0..{ID_MAX} (int64)")
         row = await self._store(user_id).get.remote(user_id)
         return UserResponse(
             user_id=user_id,
@@ -321,11 +428,13 @@ class Ingress:
         shards = await asyncio.gather(*(s.stats.remote() for s in self.stores))
         return {
             "uptime_s": round(time.time() - self.started, 1),
+            "feedback_classes": self.catalog.feedback_classes,
             "ingress": dict(self.counts),
             "store": {
                 "shards": shards,
                 "users": sum(s["users"] for s in shards),
-                "state_bytes": sum(s["state_bytes"] for s in shards),
+                "packed_bytes": sum(s["packed_bytes"] for s in shards),
+                "events": sum(s["events"] for s in shards),
             },
         }
 
@@ -341,6 +450,7 @@ def build_app(args: dict):
             "target_ongoing_requests": s.ranker_target_ongoing_requests,
         },
         max_ongoing_requests=s.ranker_max_ongoing_requests,
+        max_queued_requests=s.ranker_max_queued_requests,
         ray_actor_options={"num_cpus": s.ranker_num_cpus, "num_gpus": s.ranker_num_gpus},
     ).bind(conf)
     stores = [
@@ -354,6 +464,8 @@ def build_app(args: dict):
     ]
     return Ingress.options(
         max_ongoing_requests=s.ingress_max_ongoing_requests,
+        max_queued_requests=s.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=s.retry_after_s),
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
             "runtime_env": {"env_vars": {BODY_LIMIT_ENV: str(s.max_body_bytes)}},

@@ -32,6 +32,7 @@ class RankEngine:
         device: str = "cpu",
         item_prior_uri: str | None = None,
         item_prior_weight: float = 0.0,
+        slack_items: int = 50,
     ) -> None:
         from artifacts.data import load_ranker
 
@@ -43,6 +44,7 @@ class RankEngine:
             self.manifest["checkpoint"], self.manifest.get("vectors_uri")
         )
         self.model.to(self.device).eval()
+        self.slack_items = slack_items
         self.prior, self.prior_weight = None, item_prior_weight
         if item_prior_uri:
             from artifacts.prior import read_prior
@@ -95,7 +97,14 @@ class RankEngine:
 
     @torch.no_grad()
     def extend(self, row: Row, vid: int, feedback: int) -> Row:
-        """The state after one more event: a decode step against the expanded state."""
+        """The state after one more event: a decode step against the expanded state. Past
+        ``max_len + slack_items`` history items it is rebuilt by prefill from the newest
+        ``max_len`` (the windows the ranker was trained on), so no state grows without end."""
+        hist = np.append(np.asarray(row["hist"], dtype=np.int64), vid)
+        fb = np.append(np.asarray(row["hist_fb"], dtype=np.int64), feedback)
+        if len(hist) > self.max_len + self.slack_items:
+            keep = slice(len(hist) - self.max_len, None)
+            return self._prefill_rows([row["user_id"]], [hist[keep]], [fb[keep]])[0]
         cache = self.model.extend(
             self._cache([row]),
             Event(
@@ -103,27 +112,9 @@ class RankEngine:
                 torch.tensor([feedback], device=self.device),
             ),
         )
-        hist = np.append(np.asarray(row["hist"], dtype=np.int64), vid)
-        fb = np.append(np.asarray(row["hist_fb"], dtype=np.int64), feedback)
         table = states.to_table(_cpu(cache), [row["user_id"]], [hist], [fb], self.layout)
         return table.to_pylist()[0]
 
 
 def _cpu(cache: CompressedCache) -> CompressedCache:
     return CompressedCache([s.map(lambda t: t.cpu()) for s in cache.layers], cache.lengths.cpu())
-
-
-def append_token(row: Row, token: dict[str, bytes], vid: int, feedback: int) -> Row:
-    """``row`` plus one cached token given as its per-layer buffers (what the log stores)."""
-    new = dict(row)
-    for col, tail in token.items():
-        new[col] = row[col] + tail
-    new["hist"] = [*row["hist"], int(vid)]
-    new["hist_fb"] = [*row["hist_fb"], int(feedback)]
-    new["length"] = int(row["length"]) + 1
-    return new
-
-
-def token_of(before: Row, after: Row) -> dict[str, bytes]:
-    """The buffers ``after`` adds to ``before`` (one cached token per layer)."""
-    return {c: after[c][len(before[c]) :] for c in after if states.is_state_column(c)}

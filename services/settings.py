@@ -24,10 +24,22 @@ class ServeSettings:
         "measured; or a build_user_states folder (the ranker alone, or with item_prior_*)",
     )
     store_uri: str | None = option(
-        None, "where the store keeps its write-ahead log and snapshots (<out>/serving/<run>)"
+        None,
+        "a local folder (a persistent volume on a cluster) for the store's databases, one per "
+        "shard (default: <out>/serving/<run> beside local states)",
     )
     shards: int = option(2, "UserStateStore shards; a user lives in shard user_id % shards")
-    snapshot_every: int = option(1000, "events per shard between snapshots (the log is cut)")
+    store_cache_mib: int = option(
+        64, "MiB of page cache per store shard: its memory, whatever the number of users"
+    )
+    commit_wait_s: float = option(
+        0.002, "seconds a shard gathers events into one durable commit (group commit)"
+    )
+    state_slack_items: int = option(
+        50,
+        "history items a state may grow past the ranker's max_len before it is rebuilt from the "
+        "newest max_len (what the ranker was trained on; a memory ceiling per user)",
+    )
     max_candidates: int = option(2048, "candidates per /v1/rank request at most")
     max_k: int = option(1000, "k per request at most")
     max_body_bytes: int = option(1 << 20, "request body bytes at most")
@@ -47,6 +59,15 @@ class ServeSettings:
     # router backs off at their limit and throughput collapses under load
     ingress_max_ongoing_requests: int = option(512, "requests the ingress holds at once")
     store_max_ongoing_requests: int = option(256, "requests a store shard holds at once")
+    # overload answers instead of queueing without end: past these queues a request gets 503
+    # with Retry-After at once (the proxy's queue for the ingress, the ingress's for the rankers)
+    ingress_max_queued_requests: int = option(
+        1024, "requests queued at the proxy for the ingress beyond those it holds; then 503"
+    )
+    ranker_max_queued_requests: int = option(
+        256, "rank requests queued at the ingress for the rankers beyond those they hold; then 503"
+    )
+    retry_after_s: int = option(1, "the Retry-After seconds of an overload answer (503)")
     item_prior_uri: str | None = option(
         None,
         "with a user_states manifest: an item prior (fit_item_prior) fused into every ranking, "
@@ -59,7 +80,7 @@ class ServeSettings:
     def __post_init__(self) -> None:
         positive = (
             "shards",
-            "snapshot_every",
+            "store_cache_mib",
             "max_candidates",
             "max_k",
             "max_body_bytes",
@@ -70,10 +91,15 @@ class ServeSettings:
             "torch_threads",
             "ingress_max_ongoing_requests",
             "store_max_ongoing_requests",
+            "ingress_max_queued_requests",
+            "ranker_max_queued_requests",
+            "retry_after_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.commit_wait_s < 0 or self.state_slack_items < 0:
+            raise InputError("commit_wait_s and state_slack_items must be >= 0")
         if self.ranker_min_replicas > self.ranker_max_replicas:
             raise InputError("ranker_min_replicas must be <= ranker_max_replicas")
         if not self.manifest_uri:
@@ -87,7 +113,15 @@ class ServeSettings:
             raise InputError("item_prior_weight is set but item_prior_uri is not")
 
     def resolved_store_uri(self) -> str:
-        return self.store_uri or _store_of(self.manifest_uri)
+        from artifacts import storage
+
+        uri = self.store_uri or _store_of(self.manifest_uri)
+        if storage.is_remote(uri):
+            raise InputError(
+                f"store_uri: the states are at {self.manifest_uri}, and the store's databases "
+                "need a local folder (a persistent volume on a cluster): set store_uri"
+            )
+        return uri
 
     def pinned(self) -> ServeSettings:
         """These settings with the published inputs resolved to their current versions, so

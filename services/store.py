@@ -1,202 +1,144 @@
-"""One shard of the user-state store, without Ray: the states, a write-ahead log, snapshots.
+"""One shard of the user-state store, without Ray: its users' packed states in the embedded
+engine (``artifacts.state_store``), loaded once from the published states, then changed only by
+acknowledged events.
 
-Durability design. A shard owns the users with ``user_id % shards == shard`` and keeps their
-state rows in memory. Under ``<store_uri>/shard-<i>/``:
-
-- ``wal/<seq>.json``: one record per acknowledged event - user, item vid, feedback, the
-  history length it extends, and the new cached token's per-layer buffers (a few bytes). The
-  record is written (and, on local disks, fsynced and renamed into place) BEFORE the event is
-  applied in memory and acknowledged, so an acknowledged event survives the replica dying
-  right after.
-- ``snapshot-<seq>.parquet``: every ``snapshot_every`` events, all of the shard's rows as of
-  log position ``seq``; log records up to ``seq`` and older snapshots are then removed.
-
-On start a shard loads its newest snapshot (or, the first time, its users from the published
-states), then replays the log records after it, in order. Replay needs no model: a record
-carries the token's buffers, not just the event. A record whose base length does not match the
-row (already in the snapshot) is skipped, so a crash between snapshot and log cleanup is safe.
+A shard owns the users with ``user_id % shards == shard``; its database is
+``<store_uri>/shard-<i>.sqlite`` on a local disk (a persistent volume on a cluster). The first
+start loads the shard's rows from the published states and records which version it loaded;
+later starts open the database as it is, with every event acknowledged since. Events are
+committed in groups (``Committer``): the events that arrive within ``commit_wait_s`` share one
+transaction and one fsync, and each is acknowledged only after that commit returned.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
 import logging
-import os
 import time
 
-import numpy as np
 import pyarrow as pa
 
 from artifacts import states, storage
-from services.engine import Row, append_token
+from artifacts.state_store import Outcome, SqliteStateStore, Write
+from models.errors import InputError
 
 log = logging.getLogger("kvrank.store")
 
 
-def durable_write(uri: str, data: bytes) -> None:
-    """Write ``uri`` so that it is complete and on stable storage when this returns (S3: a PUT
-    is atomic and durable once acknowledged; local: temp file, fsync, rename, fsync folder)."""
-    if storage.is_remote(uri):
-        storage.write_bytes(uri, data)
-        return
-    folder = os.path.dirname(uri)
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{uri}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, uri)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ShardStore:
     def __init__(
-        self,
-        manifest_uri: str,
-        store_uri: str,
-        shard: int,
-        shards: int,
-        snapshot_every: int = 1000,
+        self, manifest_uri: str, store_uri: str, shard: int, shards: int, cache_mib: int = 64
     ) -> None:
+        if storage.is_remote(store_uri):
+            raise InputError(
+                f"store_uri {store_uri}: the embedded state store keeps a database on a local "
+                "disk; give a local folder (on a cluster, a persistent volume)"
+            )
         self.manifest = storage.read_marker(manifest_uri)
         self.layout = states.Layout.from_manifest(self.manifest)
-        self.shard, self.shards, self.snapshot_every = shard, shards, snapshot_every
-        self.root = storage.join(store_uri, f"shard-{shard}")
-        self.rows: dict[int, Row] = {}
-        self.seq = 0  # last log position applied
-        self.since_snapshot = 0
+        self.shard, self.shards = shard, shards
+        path = storage.join(store_uri, f"shard-{shard}.sqlite")
         t0 = time.perf_counter()
-        snap_seq = self._load(manifest_uri)
-        replayed = self._replay(snap_seq)
+        self.writer = SqliteStateStore(path, cache_mib=cache_mib, writer=True)
+        # reads take their own connection: they never wait on a commit (WAL readers see the
+        # last committed state) and run on the caller's thread while commits run on another
+        self.reader = SqliteStateStore(path, cache_mib=cache_mib, writer=False)
+        loaded = self.writer.meta("states")
+        pinned = storage.resolve(manifest_uri)
+        if loaded is None:
+            n = self.writer.load(self._published_rows(manifest_uri), meta={"states": pinned})
+            log.info("shard %d/%d: %d users loaded from %s", shard, shards, n, pinned)
+        elif loaded != pinned:
+            log.warning(
+                "shard %d/%d serves the states it loaded from %s and the events since; the "
+                "manifest names %s (a new store_uri starts from those)",
+                shard,
+                shards,
+                loaded,
+                pinned,
+            )
         log.info(
-            "shard %d/%d: %d users from %s, %d log records replayed in %.2f s",
+            "shard %d/%d open in %.2f s: %s",
             shard,
             shards,
-            len(self.rows),
-            f"snapshot {snap_seq}" if snap_seq else "the published states",
-            replayed,
             time.perf_counter() - t0,
+            self.writer.stats(),
         )
 
-    # -- start-up
-
-    def _list(self, sub: str) -> list[str]:
-        fs, path = storage.filesystem(storage.join(self.root, sub))
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if not n.endswith(".tmp"))
-
-    def _load(self, manifest_uri: str) -> int:
-        snaps = [n for n in self._list("") if n.startswith("snapshot-") and n.endswith(".parquet")]
-        if snaps:
-            table = storage.read_parquet(storage.join(self.root, snaps[-1]))
-            seq = int(snaps[-1][len("snapshot-") : -len(".parquet")])
-        else:
-            parts = []
-            for f in self.manifest["state_files"]:
-                t = storage.read_table(manifest_uri, f, marker=self.manifest)
-                mine = pa.array(t.column("user_id").to_numpy() % self.shards == self.shard)
-                parts.append(t.filter(mine))
-            table = pa.concat_tables(parts) if parts else states.schema(self.layout).empty_table()
-            seq = 0
-        for row in table.to_pylist():
-            self.rows[int(row["user_id"])] = row
-        self.seq = seq
-        return seq
-
-    def _replay(self, after: int) -> int:
-        n = 0
-        for name in self._list("wal"):
-            seq = int(name.split(".")[0])
-            if seq <= after:
-                continue
-            rec = json.loads(storage.read_bytes(storage.join(self.root, "wal", name)))
-            self._apply(rec)
-            self.seq = seq
-            n += 1
-        return n
-
-    # -- reads and writes
+    def _published_rows(self, manifest_uri: str):
+        for f in self.manifest["state_files"]:
+            t = storage.read_table(manifest_uri, f, marker=self.manifest)
+            mine = pa.array(t.column("user_id").to_numpy() % self.shards == self.shard)
+            for row in t.filter(mine).to_pylist():
+                yield row["user_id"], states.pack(row, self.layout)
 
     def owns(self, user_id: int) -> bool:
         return user_id % self.shards == self.shard
 
-    def get(self, user_id: int) -> Row | None:
-        return self.rows.get(int(user_id))
+    def get(self, user_id: int) -> tuple[int, dict] | None:
+        """(version, state row) of a user, or None."""
+        (got,) = self.reader.get([user_id])
+        if got is None:
+            return None
+        version, value = got
+        return version, states.unpack(user_id, value, self.layout)
 
-    def commit(
-        self, user_id: int, before: Row, token: dict[str, bytes], vid: int, feedback: int
-    ) -> Row:
-        """Log the event durably, then apply it; returns the user's new row."""
+    def write(
+        self, user_id: int, version: int, row: dict, vid: int, feedback: int, key, answer
+    ) -> Write:
         if not self.owns(user_id):
             raise ValueError(f"user {user_id} belongs to shard {user_id % self.shards}")
-        rec = {
-            "user_id": int(user_id),
-            "vid": int(vid),
-            "feedback": int(feedback),
-            "base_length": int(before["length"]),
-            "base": None if int(user_id) in self.rows else _encode(before),
-            "token": {c: base64.b64encode(b).decode() for c, b in token.items()},
-        }
-        seq = self.seq + 1
-        durable_write(storage.join(self.root, "wal", f"{seq:012d}.json"), json.dumps(rec).encode())
-        row = self._apply(rec)
-        self.seq = seq
-        self.since_snapshot += 1
-        if self.since_snapshot >= self.snapshot_every:
-            self.snapshot()
-        return row
+        return Write(user_id, version, states.pack(row, self.layout), vid, feedback, key, answer)
 
-    def _apply(self, rec: dict) -> Row:
-        uid = rec["user_id"]
-        row = self.rows.get(uid)
-        if row is None:
-            row = _decode(rec["base"]) if rec.get("base") else None
-            if row is None:
-                raise ValueError(f"log record for unknown user {uid} carries no base state")
-        if int(row["length"]) != rec["base_length"]:  # already applied (in the snapshot)
-            return row
-        token = {c: base64.b64decode(b) for c, b in rec["token"].items()}
-        self.rows[uid] = append_token(row, token, rec["vid"], rec["feedback"])
-        return self.rows[uid]
-
-    def snapshot(self) -> str:
-        """All rows as of the current log position; then the log up to it is removed."""
-        table = pa.Table.from_pylist(list(self.rows.values()), schema=states.schema(self.layout))
-        name = f"snapshot-{self.seq:012d}.parquet"
-        durable_write(storage.join(self.root, name), storage.parquet_bytes(table))
-        fs, _ = storage.filesystem(self.root)
-        for old in self._list(""):
-            if old.startswith("snapshot-") and old < name:
-                fs.rm(storage.filesystem(storage.join(self.root, old))[1])
-        for w in self._list("wal"):
-            if int(w.split(".")[0]) <= self.seq:
-                fs.rm(storage.filesystem(storage.join(self.root, "wal", w))[1])
-        self.since_snapshot = 0
-        return name
+    def duplicate(self, key: str) -> dict | None:
+        """The first answer of the event with idempotency ``key``, if it was applied."""
+        return self.reader.answer_of(key)
 
     def stats(self) -> dict:
-        state_bytes = sum(states.row_nbytes(r) for r in self.rows.values())
-        return {
-            "shard": self.shard,
-            "users": len(self.rows),
-            "tokens": int(np.sum([r["length"] for r in self.rows.values()])) if self.rows else 0,
-            "state_bytes": state_bytes,
-            "log_position": self.seq,
-        }
+        return {"shard": self.shard, **self.reader.stats()}
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
 
 
-def _encode(row: Row) -> dict:
-    return {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in row.items()}
+class Committer:
+    """Group commit: ``submit`` queues a write and returns once the transaction holding it is
+    durable. One task drains the queue: it takes what arrived within ``wait_s`` of the first
+    write (at most ``max_group``) and commits it in one transaction on a worker thread, so the
+    event loop keeps serving reads meanwhile."""
 
+    def __init__(self, store: ShardStore, wait_s: float = 0.002, max_group: int = 256) -> None:
+        self.store, self.wait_s, self.max_group = store, wait_s, max_group
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
 
-def _decode(d: dict) -> Row:
-    return {k: base64.b64decode(v) if states.is_state_column(k) else v for k, v in d.items()}
+    async def submit(self, write: Write) -> Outcome:
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._drain())
+        done = asyncio.get_running_loop().create_future()
+        await self.queue.put((write, done))
+        return await done
+
+    async def _drain(self) -> None:
+        while True:
+            group = [await self.queue.get()]
+            deadline = asyncio.get_running_loop().time() + self.wait_s
+            while len(group) < self.max_group:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                try:
+                    group.append(await asyncio.wait_for(self.queue.get(), left))
+                except TimeoutError:
+                    break
+            try:
+                outcomes = await asyncio.to_thread(self.store.writer.commit, [w for w, _ in group])
+            except Exception as e:  # noqa: BLE001 - every waiting event gets the error
+                for _, done in group:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            for (_, done), outcome in zip(group, outcomes, strict=True):
+                if not done.done():
+                    done.set_result(outcome)

@@ -118,6 +118,9 @@ def test_rayservice_serves_the_serve_config_with_only_the_production_changes():
     app = ours["applications"][0]
     app["args"]["manifest_uri"] = theirs["applications"][0]["args"]["manifest_uri"]
     assert app["args"]["manifest_uri"].startswith("s3://")
+    # states on S3, the store's databases on the pods' disk
+    app["args"]["store_uri"] = theirs["applications"][0]["args"]["store_uri"]
+    assert app["args"]["store_uri"].startswith("/")
     ours["http_options"]["host"] = "0.0.0.0"  # reachable from the Kubernetes service
     ranker = app["deployments"][0]
     ranker["ray_actor_options"]["num_gpus"] = 1.0  # a GPU per Ranker replica

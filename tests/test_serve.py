@@ -4,6 +4,7 @@ survive the shard's replica being killed)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import httpx
@@ -16,6 +17,8 @@ from pipelines import fit_item_prior
 from tests.conftest import free_port
 
 PRIOR_WEIGHT = 0.5  # the served score: ranker + 0.5 x the item-to-item prior
+RANKER_HOLDS = 2  # the Ranker's max_ongoing_requests, and as many queued at the ingress
+MAX_LEN, SLACK = 10, 3  # the tiny ranker's window; a state is rebuilt past 13 history items
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +41,13 @@ def served(tmp_path_factory, tiny_trained):
         "shards": 2,
         "max_candidates": 50,
         "max_body_bytes": 4096,
-        "snapshot_every": 3,
+        "state_slack_items": SLACK,
         "item_prior_uri": prior,
         "item_prior_weight": PRIOR_WEIGHT,
+        # short queues, so that a burst of requests shows the overload answer
+        "ranker_max_ongoing_requests": RANKER_HOLDS,
+        "ranker_max_queued_requests": RANKER_HOLDS,
+        "ranker_max_replicas": 1,
     }
     serve.run(build_app(settings), name="kvrank", route_prefix="/")
     yield {"url": f"http://127.0.0.1:{port}", "states": built["user_states"], "prior": prior}
@@ -145,6 +152,66 @@ def test_bad_rank_requests_get_a_4xx_naming_the_field(served, body, field):
     assert field in str(r.json()["detail"])
 
 
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        # feedback at the model's class count (5 here) and past it, up to 2^63
+        *[
+            ("/v1/events", {"user_id": 1, "item_id": 1, "feedback": fb}, "feedback")
+            for fb in (5, 6, 99, 2**31 - 1, 2**31, 2**63)
+        ],
+        *[("/v1/events", {"user_id": uid, "item_id": 1}, "user_id") for uid in (2**63, 2**64, -1)],
+        *[
+            ("/v1/rank", {"user_id": uid, "candidate_item_ids": [1], "k": 1}, "user_id")
+            for uid in (2**63, 2**64, -1)
+        ],
+        ("/v1/rank", {"user_id": 1, "candidate_item_ids": [2**64], "k": 1}, "candidate_item_ids"),
+        ("/v1/events", {"user_id": 1, "item_id": 2**64}, "item_id"),
+    ],
+)
+def test_boundary_inputs_get_a_422_naming_the_field(served, path, body, field):
+    """The eight inputs that once answered 500 (feedback past the model's classes, ids past
+    int64) and their neighbours: each a 422 naming its field, nothing stored."""
+    before = httpx.get(f"{served['url']}/v1/users/1").json()
+    r = post(served, path, body)
+    assert r.status_code == 422, r.text
+    assert field in str(r.json()["detail"])
+    assert httpx.get(f"{served['url']}/v1/users/1").json() == before
+    assert httpx.get(f"{served['url']}/v1/users/{2**64}").status_code == 422
+
+
+def test_unknown_candidates_are_skipped_and_listed_when_asked(served):
+    body = {"user_id": 1, "candidate_item_ids": [1, 999, 2, 10**12], "k": 5}
+    assert post(served, "/v1/rank", body).status_code == 422  # by default: refused
+    r = post(served, "/v1/rank", body | {"skip_unknown": True})
+    assert r.status_code == 200, r.text
+    assert sorted(x["item_id"] for x in r.json()["items"]) == [1, 2]
+    assert r.json()["unknown_item_ids"] == [999, 10**12]
+    only_unknown = {"user_id": 1, "candidate_item_ids": [999], "skip_unknown": True}
+    assert post(served, "/v1/rank", only_unknown).status_code == 422
+
+
+def test_a_burst_past_the_queues_gets_503_with_retry_after_and_the_rest_are_served(served):
+    """64 rank requests at once against a Ranker that holds 2 and queues 2 more: the excess is
+    refused at once with 503 and Retry-After (no queue grows without end), the rest are
+    ranked, and the replica serves on afterwards."""
+    import asyncio
+
+    body = {"user_id": 3, "candidate_item_ids": list(range(1, 41)), "k": 5}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            calls = [client.post(served["url"] + "/v1/rank", json=body) for _ in range(64)]
+            return await asyncio.gather(*calls)
+
+    answers = asyncio.run(burst())
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(200) >= RANKER_HOLDS and 503 in codes
+    assert all(r.headers.get("retry-after") == "1" for r in answers if r.status_code == 503)
+    assert post(served, "/v1/rank", body).status_code == 200
+
+
 def test_malformed_and_oversized_bodies(served):
     r = httpx.post(
         served["url"] + "/v1/rank",
@@ -163,7 +230,7 @@ def test_events_are_durable_across_a_killed_store_replica(served):
 
     user = 4  # shard 0 of 2
     before = httpx.get(f"{served['url']}/v1/users/{user}").json()
-    for item, fb in ((7, 4), (12, 2), (33, 0), (9, 3)):  # snapshot_every 3: one snapshot
+    for item, fb in ((7, 4), (12, 2), (33, 0), (9, 3)):
         r = post(served, "/v1/events", {"user_id": user, "item_id": item, "feedback": fb})
         assert r.status_code == 200, r.text
     after = httpx.get(f"{served['url']}/v1/users/{user}").json()
@@ -179,7 +246,7 @@ def test_events_are_durable_across_a_killed_store_replica(served):
     for a in replicas:
         ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
     deadline = time.time() + 120
-    while True:  # Serve replaces the replica; it reloads its snapshot and replays the log
+    while True:  # Serve replaces the replica; it reopens the shard's database
         try:
             got = httpx.get(f"{served['url']}/v1/users/{user}", timeout=10)
             if got.status_code == 200:
@@ -192,6 +259,39 @@ def test_events_are_durable_across_a_killed_store_replica(served):
     assert httpx.get(f"{served['url']}/v1/users/{10**6}").json()["history_length"] == 1
     stats = httpx.get(served["url"] + "/v1/stats").json()
     assert stats["store"]["users"] >= 41
+
+
+def test_an_event_sent_again_with_its_id_is_applied_once(served):
+    user = 6
+    body = {"event_id": "client-42", "user_id": user, "item_id": 5, "feedback": 1}
+    before = httpx.get(f"{served['url']}/v1/users/{user}").json()["history_length"]
+    first = post(served, "/v1/events", body)
+    assert first.status_code == 200 and not first.json()["duplicate"]
+    again = post(served, "/v1/events", body)  # the client's retry
+    assert again.status_code == 200 and again.json()["duplicate"]
+    assert {k: v for k, v in again.json().items() if k != "duplicate"} == {
+        k: v for k, v in first.json().items() if k != "duplicate"
+    }
+    assert httpx.get(f"{served['url']}/v1/users/{user}").json()["history_length"] == before + 1
+
+
+def test_a_state_is_rebuilt_from_the_newest_items_past_its_ceiling(served):
+    """However many events a user sends, the cached history stays within max_len + slack
+    items: past it the state is rebuilt from the newest max_len (what the ranker trained on),
+    and it still ranks as a state built from those items would."""
+    user = 8
+    lengths = []
+    for i in range(3 * (MAX_LEN + SLACK)):
+        r = post(served, "/v1/events", {"user_id": user, "item_id": 1 + i % 50, "feedback": 2})
+        assert r.status_code == 200, r.text
+        lengths.append(r.json()["history_length"])
+    assert max(lengths) == MAX_LEN + SLACK and MAX_LEN in lengths
+    assert all(
+        b == a + 1 or (a == MAX_LEN + SLACK and b == MAX_LEN)
+        for a, b in itertools.pairwise(lengths)
+    )
+    ranked = post(served, "/v1/rank", {"user_id": user, "candidate_item_ids": [3, 4, 5], "k": 3})
+    assert ranked.status_code == 200 and ranked.json()["history_length"] == lengths[-1]
 
 
 def test_settings_reject_unknown_and_bad_values():
@@ -258,15 +358,15 @@ def test_fuzzing_the_openapi_schema_gives_no_server_errors(served):
 
 def test_killed_ranker_and_store_replicas_under_load(served):
     """Clients keep ranking and sending events while a Ranker replica and a store replica are
-    killed: Serve replaces both, failures are few and each is retried by the client, and every
-    acknowledged event is in the user's state afterwards."""
+    killed: Serve replaces both, failures are few and each is retried by the client (with the
+    event's id), and every acknowledged event was applied exactly once."""
     import threading
 
     import ray
 
     url = served["url"]
     user = 2  # shard 0
-    start = httpx.get(f"{url}/v1/users/{user}").json()["history_length"]
+    events_before = httpx.get(f"{url}/v1/stats").json()["store"]["events"]
     acked: list[int] = []
     ranked: list[int] = []
     first_failures: list[str] = []
@@ -288,11 +388,12 @@ def test_killed_ranker_and_store_replicas_under_load(served):
         return False
 
     def events() -> None:
-        item = 0
+        n = 0
         while not stop.is_set():
-            item = item % 50 + 1
-            if call("/v1/events", {"user_id": user, "item_id": item, "feedback": 1}):
-                acked.append(item)
+            n += 1
+            body = {"event_id": f"load-{n}", "user_id": user, "item_id": n % 50 + 1}
+            if call("/v1/events", body | {"feedback": 1}):  # a retry resends the same event_id
+                acked.append(n)
 
     def ranks() -> None:
         while not stop.is_set():
@@ -324,7 +425,14 @@ def test_killed_ranker_and_store_replicas_under_load(served):
     assert not gave_up, f"requests failed even after retries: {gave_up}"
     assert len(acked) > 5
     assert len(first_failures) <= 40, first_failures  # in flight during the kills, bounded
-    got = httpx.get(f"{url}/v1/users/{user}").json()["history_length"]
-    # every acknowledged event is there; a retried event whose first reply was lost with a
-    # killed replica may be there twice (events are at-least-once under client retries)
-    assert start + len(acked) <= got <= start + len(acked) + len(first_failures)
+    # exactly once: the store applied each acknowledged event once - retries of an event whose
+    # answer was lost with a killed replica included - and has every one of them
+    events_after = httpx.get(f"{url}/v1/stats").json()["store"]["events"]
+    assert events_after - events_before == len(acked)
+    for n in acked[-20:]:
+        again = post(
+            {"url": url},
+            "/v1/events",
+            {"event_id": f"load-{n}", "user_id": user, "item_id": n % 50 + 1, "feedback": 1},
+        )
+        assert again.status_code == 200 and again.json()["duplicate"], again.text

@@ -1,0 +1,295 @@
+"""The serving state store: every user's packed state (``artifacts.states.pack``) in a real
+storage engine, events applied exactly once and durably, one writer at a time.
+
+``StateStore`` is the interface the Serve deployments use; ``SqliteStateStore`` is the embedded
+engine (the default: one machine, ``make serve``, the tests). SQLite in WAL mode was chosen over
+RocksDB (``rocksdict``) and LMDB because it ships with Python (nothing to install or pin), keeps
+its page cache bounded by a setting (LMDB maps the whole file, so a lookup of every user over
+time pulls the file into the process's resident memory), makes the conditional, fenced write one
+SQL transaction, and commits a group of events with one fsync of its write-ahead log.
+
+Durability and exactly-once, per commit (one SQLite transaction, ``synchronous=FULL``):
+
+- ``commit(writes)`` applies a group of events - each a user's new packed state, the version it
+  replaces, the event itself (vid, feedback, time) and its idempotency key - in ONE transaction
+  with one fsync: events arriving within a few milliseconds share it (group commit), and each is
+  acknowledged only after it returns.
+- A write whose expected version is not the stored one is a conflict: nothing of it is stored.
+- An event whose key was committed before is not applied again; its first answer is returned.
+- Writers are fenced: opening a store for writing takes the next writer epoch, and every commit
+  first checks that its epoch is still the newest. A second live writer (a rolling update, a
+  cluster swap) makes the first one's next commit fail with ``Fenced`` - never a silent
+  overwrite of what the second acknowledged.
+- Every applied event stays in the ``events`` table (the durable history since the states were
+  built: user, vid, feedback, time), from which the next build of states can start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS users (
+    user_id INTEGER PRIMARY KEY,
+    version INTEGER NOT NULL,
+    state   BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+    key      TEXT UNIQUE,
+    user_id  INTEGER NOT NULL,
+    vid      INTEGER NOT NULL,
+    feedback INTEGER NOT NULL,
+    at       REAL NOT NULL,
+    answer   TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+"""
+
+
+class Fenced(RuntimeError):
+    """A newer writer has opened this store: this one may no longer acknowledge events."""
+
+
+@dataclass(frozen=True)
+class Write:
+    """One event: ``user_id``'s state goes from ``version`` (0: no state stored yet) to
+    ``state``; ``key`` (or None) makes a retry of it a no-op; ``answer`` is what its client
+    is told, stored with it so that a retry gets the same."""
+
+    user_id: int
+    version: int
+    state: bytes
+    vid: int
+    feedback: int
+    key: str | None
+    answer: dict
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one ``Write``: "applied", "duplicate" (its key was applied before:
+    ``answer`` is the first answer) or "conflict" (the stored version was another)."""
+
+    status: str
+    answer: dict | None = None
+    version: int = 0
+
+
+class StateStore:
+    """What the serving deployments need of a state engine."""
+
+    def get(self, user_ids: Sequence[int]) -> list[tuple[int, bytes] | None]:
+        """(version, packed state) per user, None for users without one."""
+        raise NotImplementedError
+
+    def commit(self, writes: Sequence[Write]) -> list[Outcome]:
+        raise NotImplementedError
+
+    def load(self, rows: Iterable[tuple[int, bytes]]) -> int:
+        """Bulk-load (user_id, packed state) rows at version 1; returns how many."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SqliteStateStore(StateStore):
+    """The embedded engine: one SQLite database file per store shard, WAL mode.
+
+    ``cache_mib`` bounds SQLite's page cache (the process's memory for the store, whatever the
+    number of users; the OS page cache holds the rest of the file). ``writer`` takes the next
+    writer epoch (fencing any earlier writer); a reader (``writer=False``) never writes.
+    """
+
+    def __init__(self, path: str, cache_mib: int = 64, writer: bool = True) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        # the store's own thread discipline: one connection, used by one thread at a time (the
+        # deployment serialises calls); isolation_level None: transactions are explicit
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns
+        self.db.execute(f"PRAGMA cache_size=-{int(cache_mib) * 1024}")
+        self.db.execute("PRAGMA busy_timeout=10000")
+        self.db.executescript(SCHEMA)
+        self.epoch = self._take_epoch() if writer else None
+        # users and packed bytes, kept with every commit: the figures cost no scan
+        if self._meta("users") is None and writer:
+            users, packed = self.db.execute(
+                "SELECT count(*), coalesce(sum(length(state)), 0) FROM users"
+            ).fetchone()
+            self._set_meta("users", users)
+            self._set_meta("packed_bytes", packed)
+
+    # -- fencing
+
+    def _meta(self, key: str) -> str | None:
+        got = self.db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()
+        return None if got is None else got[0]
+
+    def _set_meta(self, key: str, value) -> None:
+        self.db.execute(
+            "INSERT INTO meta (k, v) VALUES (?, ?) ON CONFLICT(k) DO UPDATE SET v = excluded.v",
+            (key, str(value)),
+        )
+
+    def _take_epoch(self) -> int:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            epoch = int(self._meta("writer_epoch") or 0) + 1
+            self._set_meta("writer_epoch", epoch)
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return epoch
+
+    def _check_epoch(self) -> None:
+        if self.epoch is None:
+            raise Fenced(f"{self.path} is open for reading only")
+        newest = int(self._meta("writer_epoch") or 0)
+        if newest != self.epoch:
+            raise Fenced(
+                f"{self.path}: writer epoch {self.epoch} was fenced by a newer writer "
+                f"(epoch {newest}); its events are refused"
+            )
+
+    # -- reads
+
+    def get(self, user_ids: Sequence[int]) -> list[tuple[int, bytes] | None]:
+        ids = [int(u) for u in user_ids]
+        found: dict[int, tuple[int, bytes]] = {}
+        for at in range(0, len(ids), 500):  # SQLite's bound-parameter limit
+            chunk = ids[at : at + 500]
+            marks = ",".join("?" * len(chunk))
+            for uid, version, state in self.db.execute(
+                f"SELECT user_id, version, state FROM users WHERE user_id IN ({marks})", chunk
+            ):
+                found[uid] = (version, state)
+        return [found.get(u) for u in ids]
+
+    def meta(self, key: str) -> str | None:
+        return self._meta(key)
+
+    def answer_of(self, key: str) -> dict | None:
+        """The answer the event with idempotency ``key`` got, if it was applied."""
+        got = self.db.execute("SELECT answer FROM events WHERE key = ?", (key,)).fetchone()
+        return None if got is None else json.loads(got[0])
+
+    # -- writes
+
+    def load(self, rows: Iterable[tuple[int, bytes]], meta: dict | None = None) -> int:
+        """Bulk-load rows (one transaction per 50,000; the fence is checked by each)."""
+        n = 0
+        batch: list[tuple[int, bytes]] = []
+
+        def flush() -> None:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self._check_epoch()
+                self.db.executemany(
+                    "INSERT INTO users (user_id, version, state) VALUES (?, 1, ?)", batch
+                )
+                self._count(len(batch), sum(len(s) for _, s in batch))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            batch.clear()
+
+        for uid, state in rows:
+            batch.append((int(uid), state))
+            n += 1
+            if len(batch) >= 50_000:
+                flush()
+        if batch:
+            flush()
+        if meta:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self._check_epoch()
+                for k, v in meta.items():
+                    self._set_meta(k, v)
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        return n
+
+    def commit(self, writes: Sequence[Write]) -> list[Outcome]:
+        """Apply ``writes`` in one durable transaction, in order (a later write of the same
+        user expects the version an earlier one made)."""
+        out: list[Outcome] = []
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self._check_epoch()
+            now = time.time()
+            for w in writes:
+                first = None if w.key is None else self.answer_of(w.key)
+                if first is not None:
+                    out.append(Outcome("duplicate", first))
+                    continue
+                if w.version == 0:
+                    cur = self.db.execute(
+                        "INSERT INTO users (user_id, version, state) VALUES (?, 1, ?) "
+                        "ON CONFLICT(user_id) DO NOTHING",
+                        (w.user_id, w.state),
+                    )
+                    grown = (1, len(w.state))
+                else:
+                    old = self.db.execute(
+                        "SELECT length(state) FROM users WHERE user_id = ? AND version = ?",
+                        (w.user_id, w.version),
+                    ).fetchone()
+                    cur = self.db.execute(
+                        "UPDATE users SET version = version + 1, state = ? "
+                        "WHERE user_id = ? AND version = ?",
+                        (w.state, w.user_id, w.version),
+                    )
+                    grown = (0, len(w.state) - (old[0] if old else 0))
+                if cur.rowcount != 1:
+                    out.append(Outcome("conflict"))
+                    continue
+                self._count(*grown)
+                self.db.execute(
+                    "INSERT INTO events (key, user_id, vid, feedback, at, answer) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (w.key, w.user_id, w.vid, w.feedback, now, json.dumps(w.answer)),
+                )
+                out.append(Outcome("applied", w.answer, w.version + 1))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        return out
+
+    # -- figures
+
+    def _count(self, users: int, packed_bytes: int) -> None:
+        """Add to the kept figures (inside the caller's transaction)."""
+        self.db.execute("UPDATE meta SET v = CAST(v AS INTEGER) + ? WHERE k = 'users'", (users,))
+        self.db.execute(
+            "UPDATE meta SET v = CAST(v AS INTEGER) + ? WHERE k = 'packed_bytes'",
+            (packed_bytes,),
+        )
+
+    def stats(self) -> dict:
+        (events,) = self.db.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()
+        return {
+            "users": int(self._meta("users") or 0),
+            "packed_bytes": int(self._meta("packed_bytes") or 0),
+            "events": events,
+            "writer_epoch": self.epoch,
+        }
+
+    def close(self) -> None:
+        self.db.close()
