@@ -98,18 +98,15 @@ def test_encoding_is_incremental(tiny, ray_local, capsys):
 
 
 def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkeypatch):
-    enc = run_json(
-        capsys,
-        encode_items.main,
-        ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--actors", "1"],
-    )
+    """The id ranker on two workers (the text input's item table is trained in
+    test_whole_chain_on_s3)."""
     # a relative --out, as `make demo` passes it (Ray Train needs it made absolute)
     monkeypatch.chdir(tiny["dir"])
     base = [
         "--dataset-uri",
         tiny["dataset"],
-        "--vectors-uri",
-        enc["out"],
+        "--item-input",
+        "id",
         "--out",
         "ckpt-out",
         "--run",
