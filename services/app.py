@@ -241,7 +241,9 @@ class Ranker:
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def rank(self, requests: list[tuple[dict, list[int], int]]) -> list:
         rows, cands, ks = zip(*requests, strict=True)
-        out = self.engine.rank(list(rows), list(cands), list(ks))
+        # the forward runs on a worker thread: the replica's event loop keeps taking requests
+        # (the next batch fills while this one is scored; one batch runs at a time)
+        out = await asyncio.to_thread(self.engine.rank, list(rows), list(cands), list(ks))
         t = self.engine.last_timings
         self.batch_size.observe(len(requests))
         self.seconds.observe(t["expand_s"], tags={"stage": "expand"})
