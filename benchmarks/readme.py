@@ -169,7 +169,8 @@ def state_store() -> list[str]:
     report = load("state_store.json")
     out = [
         "| engine | users | load | disk per user (packed) | lookup of 32 users p50 / p99 "
-        "| durable events/s, 1 / 64 clients | reopened after kill -9 | acknowledged lost | peak RSS |",
+        "| durable events/s, 1 / 64 clients | reopened after kill -9 | acknowledged lost "
+        "| peak RSS |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
