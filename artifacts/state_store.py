@@ -91,8 +91,9 @@ class StateStore:
     def commit(self, writes: Sequence[Write]) -> list[Outcome]:
         raise NotImplementedError
 
-    def load(self, rows: Iterable[tuple[int, bytes]]) -> int:
-        """Bulk-load (user_id, packed state) rows at version 1; returns how many."""
+    def load(self, rows: Iterable[tuple[int, bytes]], meta: dict | None = None) -> int:
+        """Bulk-load (user_id, packed state) rows at version 1, then record ``meta`` (what was
+        loaded); returns how many rows."""
         raise NotImplementedError
 
     def stats(self) -> dict:
