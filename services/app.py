@@ -281,7 +281,9 @@ class UserStateStore:
         self._gauge()
 
     def _gauge(self) -> None:
-        self.size.set(self.store.stats()["packed_bytes"], tags={"shard": str(self.shard)})
+        # the kept figure (one row of the shard's meta table), not the full stats, per event
+        packed = int(self.store.reader.meta("packed_bytes") or 0)
+        self.size.set(packed, tags={"shard": str(self.shard)})
 
     async def get(self, user_id: int) -> dict | None:
         got = self.store.get(user_id)
