@@ -14,9 +14,10 @@ import torch
 from torch.testing import assert_close
 
 from artifacts import storage
-from artifacts.data import item_titles
+from artifacts.data import encoder_tag, item_titles
 from pipelines import encode_items, label_teacher, train_teacher
 from pipelines.common import teachers
+from pipelines.encode_items import clean_text
 from tests.conftest import free_port
 from tests.tiny import (
     TINY_TEACHER,
@@ -38,13 +39,22 @@ def _vectors(summary: dict) -> np.ndarray:
 
 
 def test_encode_items_with_vllm_gives_the_hf_vectors(tiny, ray_local, capsys):
+    """The vLLM engine's vectors are the HF encoder's of the same texts (the HF engine's job is
+    checked in test_pipelines.py), under their own encoder tag, and re-encode nothing again."""
+    from models.config import EncoderConfig
+    from models.encoder import ItemEncoder
+
     args = ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--actors", "1"]
-    hf = run_json(capsys, encode_items.main, args)
     first = run_json(capsys, encode_items.main, [*args, "--engine", "vllm"])
-    assert first["engine"] == "vllm" and first["encoder_tag"] != hf["encoder_tag"]
-    assert first["encoded"] == hf["encoded"] == 60 and first["dim"] == hf["dim"] == 384
+    assert first["engine"] == "vllm" and first["encoder_tag"] != encoder_tag(EncoderConfig(), "hf")
+    assert first["encoded"] == 60 and first["dim"] == 384
+    items = storage.read_table(tiny["dataset"], "items.parquet").sort_by("vid")
+    texts = [clean_text(t) for t in items.column("text").to_pylist()]
+    encoder = ItemEncoder(EncoderConfig())
+    with torch.no_grad():
+        want = encoder(encoder.tokenize(texts)).float().numpy().astype(np.float16)
     # the same MiniLM, mean-pooled and normalised by vLLM: the same float16 vectors
-    assert_close(_vectors(first), _vectors(hf), atol=2e-3, rtol=0)
+    assert_close(_vectors(first), want.astype(np.float32), atol=2e-3, rtol=0)
     again = run_json(capsys, encode_items.main, [*args, "--engine", "vllm"])
     assert (again["encoded"], again["reused"]) == (0, 60)
 
@@ -67,25 +77,32 @@ def teacher(tmp_path_factory, ray_local):
 
 
 def test_label_teacher_with_vllm_gives_the_hf_logits(teacher, capsys):
+    """The vLLM engine's labels are the HF teacher's scores of the same prompts (the HF job's
+    own labels are checked the same way in test_teacher_jobs.py)."""
+    from models.teacher import examples_for
+
     args = ["--dataset-uri", teacher["dataset"], "--teacher", teacher["teacher"], "--cuts", "2"]
     args += ["--negatives", "3", "--max-len", "10", "--actors", "1"]
-    hf = run_json(capsys, label_teacher.main, [*args, "--out", teacher["out"] + "/hf"])
     vl = run_json(capsys, label_teacher.main, [*args, "--out", teacher["out"], "--engine", "vllm"])
-    assert vl["engine"] == "vllm" and vl["prompts"] == hf["prompts"] == 40 * 8
-
-    def table(s):
-        t = storage.read_table(s["labels"], "labels.parquet")
-        return pl.from_arrow(t).sort("user_id", maintain_order=True)
-
-    a, b = table(hf), table(vl)
-    assert a["candidates"].to_list() == b["candidates"].to_list()
-    assert_close(
-        torch.tensor(b["teacher_logits"].to_list()),
-        torch.tensor(a["teacher_logits"].to_list()),
-        atol=1e-3,
-        rtol=0,
-    )
+    assert vl["engine"] == "vllm" and vl["prompts"] == 40 * 8
     assert storage.read_marker(vl["labels"])["engine"] == "vllm"
+    table = pl.from_arrow(storage.read_table(vl["labels"], "labels.parquet"))
+    titles = item_titles(teacher["dataset"])
+    examples = [
+        ex
+        for row in table.iter_rows(named=True)
+        for ex in examples_for(
+            row["hist"],
+            row["hist_fb"],
+            row["cuts"],
+            np.reshape(row["candidates"], (2, 4)),
+            titles,
+        )
+    ]
+    with teachers.load_teacher(teacher["teacher"]) as hf:
+        want = hf.score(examples)
+    got = torch.tensor(table["teacher_logits"].to_list()).reshape(-1)
+    assert_close(got, want, atol=1e-3, rtol=0)
 
 
 def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, capsys):
@@ -141,17 +158,26 @@ def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, caps
 
 
 def test_evaluate_scores_the_teacher_with_vllm_as_with_hf(teacher, capsys):
+    """evaluate's teacher ranks through vLLM are the HF teacher's ranks of the same sampled
+    candidates (the HF engine's pass is checked in test_teacher_jobs.py)."""
     from pipelines import evaluate
 
     args = ["--dataset-uri", teacher["dataset"], "--out", teacher["out"], "--actors", "1"]
     ranker = storage.read_marker(teacher["states"]["user_states"])["checkpoint"]
     args += ["--checkpoint", ranker, "--teacher", teacher["teacher"]]
-    hf = run_json(capsys, evaluate.main, [*args, "--report", "hf"])
     vl = run_json(capsys, evaluate.main, [*args, "--report", "vl", "--teacher-engine", "vllm"])
+    got = pl.from_arrow(storage.read_table(vl["report"], "per_user.parquet")).sort("user_id")
 
-    def ranks(summary):
-        t = storage.read_table(summary["report"], "per_user.parquet")
-        return pl.from_arrow(t).sort("user_id")["teacher_sampled_rank"].to_list()
-
-    assert ranks(vl) == ranks(hf) and len(ranks(hf)) == 40
-    assert vl["teacher_sampled_ndcg10"] == hf["teacher_sampled_ndcg10"]
+    users = evaluate.eval_users(teacher["dataset"], None, 0).sort("user_id")
+    with teachers.load_teacher(teacher["teacher"]) as hf:
+        want = teachers.sampled_ranks(
+            hf,
+            users["input"].to_list(),
+            users["input_fb"].to_list(),
+            users["test"].to_list(),
+            users["negatives"].to_list(),
+            item_titles(teacher["dataset"]),
+            batch_size=128,
+        )
+    assert got["user_id"].to_list() == users["user_id"].to_list() and len(want) == 40
+    assert got["teacher_sampled_rank"].to_list() == want.tolist()
