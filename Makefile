@@ -19,7 +19,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvrank-installed
 VLLM_LOCK  := requirements-vllm.lock
 
-.PHONY: install lock vllm-env demo test test-fast bench quality kv-sweep serve serve-load serve-load-teacher lint clean
+.PHONY: install lock vllm-env redis-server demo test test-fast bench quality kv-sweep serve serve-load serve-load-teacher lint clean
 
 install: $(STAMP)
 
@@ -57,6 +57,17 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# The Redis engine's tests start a real redis-server on 127.0.0.1: Debian's package when it is
+# not on the PATH yet (root installs it; anyone else is told what to install).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server; \
+		else \
+			echo "redis-server is not installed: run 'sudo apt-get install redis-server'" \
+				"(or put a Redis/Valkey 7+ server on the PATH)" >&2; exit 1; \
+		fi; }
+
 DEMO_DATA := $(OUT)/datasets/ml-latest-small
 
 # the whole chain on ml-latest-small on an embedded local Ray, every job from the recipe
@@ -67,12 +78,12 @@ demo: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m demo --out $(OUT)
 
 # everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(VLLM_PY) -m pytest -q -m vllm $(PYTEST_ARGS)
 
 # the inner loop: no Ray, no training (the slow tier is every test that starts a Ray)
-test-fast: $(STAMP)
+test-fast: $(STAMP) redis-server
 	$(PY) -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -2,11 +2,13 @@
 storage engine, events applied exactly once and durably, one writer at a time.
 
 ``StateStore`` is the interface the Serve deployments use; ``SqliteStateStore`` is the embedded
-engine (the default: one machine, ``make serve``, the tests). SQLite in WAL mode was chosen over
-RocksDB (``rocksdict``) and LMDB because it ships with Python (nothing to install or pin), keeps
-its page cache bounded by a setting (LMDB maps the whole file, so a lookup of every user over
-time pulls the file into the process's resident memory), makes the conditional, fenced write one
-SQL transaction, and commits a group of events with one fsync of its write-ahead log.
+engine (the default: one machine, ``make serve``, the tests), ``artifacts.redis_store`` the
+engine across machines (a Redis or Valkey server), with the same guarantees. SQLite in WAL mode
+was chosen over RocksDB (``rocksdict``) and LMDB because it ships with Python (nothing to
+install or pin), keeps its page cache bounded by a setting (LMDB maps the whole file, so a
+lookup of every user over time pulls the file into the process's resident memory), makes the
+conditional, fenced write one SQL transaction, and commits a group of events with one fsync of
+its write-ahead log.
 
 Durability and exactly-once, per commit (one SQLite transaction, ``synchronous=FULL``):
 
@@ -56,6 +58,11 @@ class Fenced(RuntimeError):
     """A newer writer has opened this store: this one may no longer acknowledge events."""
 
 
+class StoreUnavailable(RuntimeError):
+    """The engine cannot be reached now (a server down or restarting): nothing of the call was
+    acknowledged, and a retry of a keyed event is applied once."""
+
+
 @dataclass(frozen=True)
 class Write:
     """One event: ``user_id``'s state goes from ``version`` (0: no state stored yet) to
@@ -82,10 +89,23 @@ class Outcome:
 
 
 class StateStore:
-    """What the serving deployments need of a state engine."""
+    """What the serving deployments need of a state engine: ``SqliteStateStore`` (embedded, the
+    default) or ``artifacts.redis_store.RedisStateStore`` (a server); ``open_store`` picks one
+    by the store URI."""
 
     def get(self, user_ids: Sequence[int]) -> list[tuple[int, bytes] | None]:
         """(version, packed state) per user, None for users without one."""
+        raise NotImplementedError
+
+    def meta(self, key: str) -> str | None:
+        raise NotImplementedError
+
+    def answer_of(self, key: str) -> dict | None:
+        """The answer the event with idempotency ``key`` got, if it was applied."""
+        raise NotImplementedError
+
+    def events(self) -> list[tuple[int, int, int, float]]:
+        """Every applied event in order: (user, vid, feedback, time)."""
         raise NotImplementedError
 
     def commit(self, writes: Sequence[Write]) -> list[Outcome]:
@@ -93,7 +113,7 @@ class StateStore:
 
     def load(self, rows: Iterable[tuple[int, bytes]], meta: dict | None = None) -> int:
         """Bulk-load (user_id, packed state) rows at version 1, then record ``meta`` (what was
-        loaded); returns how many rows."""
+        loaded); returns how many rows. Whatever an unfinished earlier load left is replaced."""
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -186,12 +206,27 @@ class SqliteStateStore(StateStore):
         got = self.db.execute("SELECT answer FROM events WHERE key = ?", (key,)).fetchone()
         return None if got is None else json.loads(got[0])
 
+    def events(self) -> list[tuple[int, int, int, float]]:
+        return self.db.execute(
+            "SELECT user_id, vid, feedback, at FROM events ORDER BY seq"
+        ).fetchall()
+
     # -- writes
 
     def load(self, rows: Iterable[tuple[int, bytes]], meta: dict | None = None) -> int:
         """Bulk-load rows (one transaction per 50,000; the fence is checked by each)."""
         n = 0
         batch: list[tuple[int, bytes]] = []
+        if int(self._meta("users") or 0):
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self._check_epoch()
+                self.db.execute("DELETE FROM users")
+                self.db.execute("UPDATE meta SET v = '0' WHERE k IN ('users', 'packed_bytes')")
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
 
         def flush() -> None:
             self.db.execute("BEGIN IMMEDIATE")
@@ -294,3 +329,29 @@ class SqliteStateStore(StateStore):
 
     def close(self) -> None:
         self.db.close()
+
+
+def open_store(
+    uri: str,
+    shard: int,
+    *,
+    writer: bool = True,
+    cache_mib: int = 64,
+    redis_fsync: str = "always",
+) -> StateStore:
+    """Shard ``shard`` of the store at ``uri``: ``redis[s]://...`` a Redis server or cluster
+    (``artifacts.redis_store``), a local folder the embedded engine (``<uri>/shard-<i>.sqlite``).
+    """
+    from artifacts import redis_store, storage
+    from models.errors import InputError
+
+    if redis_store.is_redis(uri):
+        return redis_store.RedisStateStore(uri, shard, writer=writer, fsync=redis_fsync)
+    if storage.is_remote(uri):
+        raise InputError(
+            f"store_uri {uri}: give a local folder for the embedded engine (on a cluster, a "
+            "persistent volume) or a redis:// server"
+        )
+    return SqliteStateStore(
+        storage.join(uri, f"shard-{shard}.sqlite"), cache_mib=cache_mib, writer=writer
+    )

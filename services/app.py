@@ -124,16 +124,17 @@ def bad_request(field: str, message: str) -> HTTPException:
 
 
 async def answer(call, retry_after_s: int):
-    """Await a deployment call; its queue full (Serve's BackPressureError) or a store replica
-    fenced by a newer one (a rollout in progress) becomes 503 with Retry-After instead of a
-    500: the client retries and reaches a replica that serves."""
+    """Await a deployment call; its queue full (Serve's BackPressureError), a store replica
+    fenced by a newer one (a rollout in progress) or a store server out of reach (a Redis
+    restart) becomes 503 with Retry-After instead of a 500: the client retries and reaches a
+    replica that serves."""
     from ray.serve.exceptions import BackPressureError
 
-    from artifacts.state_store import Fenced
+    from artifacts.state_store import Fenced, StoreUnavailable
 
     try:
         return await call
-    except (BackPressureError, Fenced) as e:
+    except (BackPressureError, Fenced, StoreUnavailable) as e:
         raise HTTPException(
             status_code=503,
             detail="overloaded: try again later",
@@ -265,7 +266,12 @@ class UserStateStore:
 
         s = ServeSettings(**settings)
         self.store = ShardStore(
-            s.manifest_uri, s.resolved_store_uri(), shard, s.shards, s.store_cache_mib
+            s.manifest_uri,
+            s.resolved_store_uri(),
+            shard,
+            s.shards,
+            s.store_cache_mib,
+            s.redis_fsync,
         )
         self.commits = Committer(self.store, s.commit_wait_s)
         self.ranker = ranker
@@ -278,15 +284,18 @@ class UserStateStore:
             tag_keys=("shard",),
         )
         self.shard = shard
+        self.gauged = 0.0
         self._gauge()
 
     def _gauge(self) -> None:
-        # the kept figure (one row of the shard's meta table), not the full stats, per event
+        # the kept figure (one meta row or field), not the full stats
+        self.gauged = time.monotonic()
         packed = int(self.store.reader.meta("packed_bytes") or 0)
         self.size.set(packed, tags={"shard": str(self.shard)})
 
     async def get(self, user_id: int) -> dict | None:
-        got = self.store.get(user_id)
+        # the engine's reads block (a disk, or a server's round trip): off the event loop
+        got = await asyncio.to_thread(self.store.get, user_id)
         return None if got is None else got[1]
 
     async def append(self, user_id: int, vid: int, feedback: int, key: str | None = None) -> dict:
@@ -296,10 +305,10 @@ class UserStateStore:
         held[1] += 1
         try:
             async with held[0]:  # one user's events apply in order
-                first = None if key is None else self.store.duplicate(key)
+                first = None if key is None else await asyncio.to_thread(self.store.duplicate, key)
                 if first is not None:
                     return first | {"duplicate": True}
-                got = self.store.get(user_id)
+                got = await asyncio.to_thread(self.store.get, user_id)
                 if got is None:
                     version, before = 0, await self.ranker.empty_state.remote(user_id)
                 else:
@@ -314,11 +323,12 @@ class UserStateStore:
                 del self.locks[user_id]
         if outcome.status == "conflict":  # only another writer can have changed the user
             raise Fenced(f"user {user_id} was changed by another writer of shard {self.shard}")
-        self._gauge()
+        if time.monotonic() - self.gauged >= 1.0:  # at most once a second
+            await asyncio.to_thread(self._gauge)
         return outcome.answer | {"duplicate": outcome.status == "duplicate"}
 
-    def stats(self) -> dict:
-        return self.store.stats()
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.store.stats)
 
 
 app = FastAPI(

@@ -25,8 +25,16 @@ class ServeSettings:
     )
     store_uri: str | None = option(
         None,
-        "a local folder (a persistent volume on a cluster) for the store's databases, one per "
-        "shard (default: <out>/serving/<run> beside local states)",
+        "where the store keeps the users' states and events: a local folder for the embedded "
+        "engine, one database per shard (a persistent volume on a cluster; default: "
+        "<out>/serving/<run> beside local states), or redis://host:port/db[?prefix=P&cluster=1] "
+        "for a Redis or Valkey server or cluster",
+    )
+    redis_fsync: str = option(
+        "always",
+        "with a redis:// store: the server's append-only-file fsync, set when a shard opens - "
+        "'always' (no acknowledged event lost), 'everysec' (up to a second of them on a crash), "
+        "or 'server' (leave the server's own persistence settings, e.g. a managed service)",
     )
     shards: int = option(2, "UserStateStore shards; a user lives in shard user_id % shards")
     store_cache_mib: int = option(
@@ -100,6 +108,10 @@ class ServeSettings:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.commit_wait_s < 0 or self.state_slack_items < 0:
             raise InputError("commit_wait_s and state_slack_items must be >= 0")
+        if self.redis_fsync not in ("always", "everysec", "server"):
+            raise InputError(
+                f"redis_fsync must be always, everysec or server, got {self.redis_fsync!r}"
+            )
         if self.ranker_min_replicas > self.ranker_max_replicas:
             raise InputError("ranker_min_replicas must be <= ranker_max_replicas")
         if not self.manifest_uri:
@@ -113,13 +125,13 @@ class ServeSettings:
             raise InputError("item_prior_weight is set but item_prior_uri is not")
 
     def resolved_store_uri(self) -> str:
-        from artifacts import storage
+        from artifacts import redis_store, storage
 
         uri = self.store_uri or _store_of(self.manifest_uri)
-        if storage.is_remote(uri):
+        if storage.is_remote(uri) and not redis_store.is_redis(uri):
             raise InputError(
-                f"store_uri: the states are at {self.manifest_uri}, and the store's databases "
-                "need a local folder (a persistent volume on a cluster): set store_uri"
+                f"store_uri: the states are at {self.manifest_uri}, and the store needs a local "
+                "folder (a persistent volume on a cluster) or a redis:// server: set store_uri"
             )
         return uri
 

@@ -1,9 +1,10 @@
-"""One shard of the user-state store, without Ray: its users' packed states in the embedded
-engine (``artifacts.state_store``), loaded once from the published states, then changed only by
-acknowledged events.
+"""One shard of the user-state store, without Ray: its users' packed states in a state engine
+(``artifacts.state_store.open_store``), loaded once from the published states, then changed only
+by acknowledged events.
 
-A shard owns the users with ``user_id % shards == shard``; its database is
-``<store_uri>/shard-<i>.sqlite`` on a local disk (a persistent volume on a cluster). The first
+A shard owns the users with ``user_id % shards == shard``. With a local ``store_uri`` its
+database is ``<store_uri>/shard-<i>.sqlite`` on a local disk (a persistent volume on a
+cluster); with ``redis://...`` its keys are on that server, under the shard's hash tag. The first
 start loads the shard's rows from the published states and records which version it loaded;
 later starts open the database as it is, with every event acknowledged since. Events are
 committed in groups (``Committer``): the events that arrive within ``commit_wait_s`` share one
@@ -19,30 +20,30 @@ import time
 import pyarrow as pa
 
 from artifacts import states, storage
-from artifacts.state_store import Outcome, SqliteStateStore, Write
-from models.errors import InputError
+from artifacts.state_store import Outcome, Write, open_store
 
 log = logging.getLogger("kvrank.store")
 
 
 class ShardStore:
     def __init__(
-        self, manifest_uri: str, store_uri: str, shard: int, shards: int, cache_mib: int = 64
+        self,
+        manifest_uri: str,
+        store_uri: str,
+        shard: int,
+        shards: int,
+        cache_mib: int = 64,
+        redis_fsync: str = "always",
     ) -> None:
-        if storage.is_remote(store_uri):
-            raise InputError(
-                f"store_uri {store_uri}: the embedded state store keeps a database on a local "
-                "disk; give a local folder (on a cluster, a persistent volume)"
-            )
         self.manifest = storage.read_marker(manifest_uri)
         self.layout = states.Layout.from_manifest(self.manifest)
         self.shard, self.shards = shard, shards
-        path = storage.join(store_uri, f"shard-{shard}.sqlite")
         t0 = time.perf_counter()
-        self.writer = SqliteStateStore(path, cache_mib=cache_mib, writer=True)
+        kw = {"cache_mib": cache_mib, "redis_fsync": redis_fsync}
+        self.writer = open_store(store_uri, shard, writer=True, **kw)
         # reads take their own connection: they never wait on a commit (WAL readers see the
         # last committed state) and run on the caller's thread while commits run on another
-        self.reader = SqliteStateStore(path, cache_mib=cache_mib, writer=False)
+        self.reader = open_store(store_uri, shard, writer=False, **kw)
         loaded = self.writer.meta("states")
         pinned = storage.resolve(manifest_uri)
         if loaded is None:

@@ -118,9 +118,9 @@ def test_rayservice_serves_the_serve_config_with_only_the_production_changes():
     app = ours["applications"][0]
     app["args"]["manifest_uri"] = theirs["applications"][0]["args"]["manifest_uri"]
     assert app["args"]["manifest_uri"].startswith("s3://")
-    # states on S3, the store's databases on the pods' disk
+    # states on S3, the store on infra/redis/redis.yaml's server
     app["args"]["store_uri"] = theirs["applications"][0]["args"]["store_uri"]
-    assert app["args"]["store_uri"].startswith("/")
+    assert app["args"]["store_uri"] == f"redis://{redis_service()}:6379/0"
     ours["http_options"]["host"] = "0.0.0.0"  # reachable from the Kubernetes service
     ranker = app["deployments"][0]
     ranker["ray_actor_options"]["num_gpus"] = 1.0  # a GPU per Ranker replica
@@ -129,6 +129,50 @@ def test_rayservice_serves_the_serve_config_with_only_the_production_changes():
     # and it runs on the same cluster shape the jobs use
     (cluster,) = manifests("RayCluster").values()
     assert service["spec"]["rayClusterConfig"] == cluster["spec"]
+
+
+# ----------------------------------------------------------------------------- the store's Redis
+
+
+def redis_manifests() -> dict[str, dict]:
+    with open(os.path.join(REPO, "infra", "redis", "redis.yaml")) as f:
+        return {doc["kind"]: doc for doc in yaml.safe_load_all(f)}
+
+
+def redis_service() -> str:
+    return redis_manifests()["Service"]["metadata"]["name"]
+
+
+def test_the_redis_statefulset_runs_its_config_on_a_volume_behind_its_service(tmp_path):
+    import redis
+
+    from tests.conftest import RedisServer
+
+    docs = redis_manifests()
+    assert sorted(docs) == ["ConfigMap", "NetworkPolicy", "Service", "StatefulSet"]
+    sts = docs["StatefulSet"]["spec"]
+    assert sts["serviceName"] == redis_service()
+    labels = sts["template"]["metadata"]["labels"]
+    assert sts["selector"]["matchLabels"] == labels
+    assert docs["Service"]["spec"]["selector"] == labels
+    assert docs["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"] == labels
+    (container,) = sts["template"]["spec"]["containers"]
+    conf_dir = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert container["command"] == ["redis-server", f"{conf_dir['config']}/redis.conf"]
+    assert {c["metadata"]["name"] for c in sts["volumeClaimTemplates"]} == {"data"}
+    # the ConfigMap's redis.conf runs on a real server (here on 127.0.0.1 in a temporary
+    # folder) with the persistence the app's default redis_fsync asks for
+    text = docs["ConfigMap"]["data"]["redis.conf"]
+    assert f"dir {conf_dir['data']}\n" in text
+    conf = tmp_path / "redis.conf"
+    conf.write_text(text.replace(f"dir {conf_dir['data']}\n", f"dir {tmp_path}\n"))
+    server = RedisServer(tmp_path, conf=str(conf))
+    try:
+        client = redis.Redis(host="127.0.0.1", port=server.port)
+        want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
+        assert {k: client.config_get(k)[k] for k in want} == want
+    finally:
+        server.kill()
 
 
 # ----------------------------------------------------------------------------- KubeRay manifests

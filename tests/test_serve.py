@@ -1,6 +1,7 @@
 """The Serve application over real HTTP on 127.0.0.1: ranking equals scoring the stored state
 directly, bad input gets a 4xx naming the field, events extend a user's state durably (they
-survive the shard's replica being killed)."""
+survive the shard's replica being killed). The store here is the Redis engine on a real
+redis-server; the embedded engine serves the cluster tests (tests/test_ray_job.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ MAX_LEN, SLACK = 10, 3  # the tiny ranker's window; a state is rebuilt past 13 h
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_trained):
+def served(tmp_path_factory, tiny_trained, redis_server):
     """A tiny CollectiveKV ranker's states behind the app: {"url", "states"}."""
     from ray import serve
 
@@ -37,7 +38,9 @@ def served(tmp_path_factory, tiny_trained):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {
         "manifest_uri": built["user_states"],
-        "store_uri": str(d / "store"),  # the events this module sends; the states stay shared
+        # the events this module sends, on the Redis server (the embedded engine serves the
+        # cluster tests: tests/test_ray_job.py); the states stay shared
+        "store_uri": redis_server.uri(),
         "shards": 2,
         "max_candidates": 50,
         "max_body_bytes": 4096,

@@ -1,6 +1,7 @@
-"""The serving state store without Ray: packed values, the embedded engine (SQLite) with group
-commit, versioned (conditional) writes, idempotency keys, writer fencing, and durability across
-a ``kill -9`` of the process holding it."""
+"""The serving state store without Ray: packed values, and both engines - embedded (SQLite) and
+a real Redis server on 127.0.0.1 - with group commit, versioned (conditional) writes, idempotency
+keys, writer fencing, and durability across a ``kill -9`` of the process holding the store (the
+embedded engine's writer, the Redis server itself)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from artifacts import states
-from artifacts.state_store import Fenced, SqliteStateStore, Write
+from artifacts.state_store import Fenced, SqliteStateStore, StoreUnavailable, Write, open_store
 from models.ranker import History
 from tests.test_collective_kv_jobs import tiny_ckv_ranker
 
@@ -50,8 +53,16 @@ def write(user: int, version: int, value: bytes, key: str | None = None, vid: in
     return Write(user, version, value, vid, 0, key, {"user": user, "vid": vid})
 
 
-def test_versioned_writes_keys_and_figures(tmp_path):
-    store = SqliteStateStore(str(tmp_path / "s.sqlite"))
+@pytest.fixture(params=["sqlite", "redis"])
+def store_uri(request, tmp_path) -> str:
+    """A fresh store of each engine: a local folder, or a fresh key prefix on the Redis server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("redis_server").uri()
+
+
+def test_versioned_writes_keys_and_figures(store_uri):
+    store = open_store(store_uri, 0)
     assert store.load([(1, b"a" * 10), (2, b"b" * 20)]) == 2
     assert store.get([2, 3, 1]) == [(1, b"b" * 20), None, (1, b"a" * 10)]
     out = store.commit(
@@ -75,32 +86,39 @@ def test_versioned_writes_keys_and_figures(tmp_path):
         "events": 3,
         "writer_epoch": 1,
     }
+    # the durable history: every applied event, in order (user, vid, feedback)
+    assert [e[:3] for e in store.events()] == [(1, 1, 0), (1, 1, 0), (3, 1, 0)]
+    # a load that did not finish (no meta recorded) is replaced by the next one, not added to
+    assert store.load([(5, b"e" * 4)], meta={"states": "v2"}) == 1
+    assert store.get([1, 5]) == [None, (1, b"e" * 4)] and store.meta("states") == "v2"
+    assert (store.stats()["users"], store.stats()["packed_bytes"]) == (1, 4)
     store.close()
 
 
-def test_a_second_writer_fences_the_first(tmp_path):
-    path = str(tmp_path / "s.sqlite")
-    first = SqliteStateStore(path)
+def test_a_second_writer_fences_the_first(store_uri):
+    first = open_store(store_uri, 0)
     first.load([(1, b"v1")])
-    second = SqliteStateStore(path)  # a new replica of the same shard (a rollout)
+    second = open_store(store_uri, 0)  # a new replica of the same shard (a rollout)
     with pytest.raises(Fenced, match="fenced by a newer writer"):
         first.commit([write(1, 1, b"lost?")])
     assert second.get([1]) == [(1, b"v1")]  # nothing of the fenced write was stored
     assert [o.status for o in second.commit([write(1, 1, b"v2")])] == ["applied"]
-    reader = SqliteStateStore(path, writer=False)
+    reader = open_store(store_uri, 0, writer=False)
     assert reader.get([1]) == [(2, b"v2")]
     with pytest.raises(Fenced, match="reading only"):
         reader.commit([write(1, 2, b"v3")])
+    # another shard of the same store has its own writers
+    assert open_store(store_uri, 1).stats()["writer_epoch"] == 1
 
 
-def test_events_arriving_together_share_one_commit(tmp_path):
+def test_events_arriving_together_share_one_commit(store_uri):
     """64 events submitted at once: every one applied and acknowledged, in far fewer
-    transactions (each one fsync) than events."""
+    commits (each one fsync) than events."""
     from services.store import Committer
 
     class Shard:  # what Committer uses of a ShardStore
         def __init__(self) -> None:
-            self.writer = SqliteStateStore(str(tmp_path / "s.sqlite"))
+            self.writer = open_store(store_uri, 0)
             self.commits = 0
             commit = self.writer.commit
 
@@ -124,6 +142,71 @@ def test_events_arriving_together_share_one_commit(tmp_path):
     assert shard.commits <= 8, shard.commits
 
 
+def test_every_key_of_a_redis_shard_hashes_to_one_cluster_slot():
+    """One event touches its shard's meta, events, user and idempotency keys in one script:
+    in a Redis Cluster they must share a slot, and the shards spread over the slots."""
+    from redis.crc import key_slot
+
+    from artifacts.redis_store import RedisStateStore, parse_uri
+
+    store = RedisStateStore.__new__(RedisStateStore)  # the key names only, no server
+    slots = set()
+    for shard in range(16):
+        store.base = f"kvrank:{{{shard}}}:"
+        keys = [store.base + "meta", store.base + "events", store.base + "k:evt-1"]
+        keys += [store.user_key(u) for u in (shard, shard + 16, 2**62)]
+        (slot,) = {key_slot(k.encode()) for k in keys}
+        slots.add(slot)
+    assert len(slots) == 16
+    assert parse_uri("redis://h:1/0?prefix=p&cluster=1") == ("redis://h:1/0", "p", True)
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_uri("redis://h:1/0?pool=3")
+
+
+def test_a_killed_redis_server_keeps_every_acknowledged_event(redis_server):
+    """Events are committed as fast as they go while the Redis server is killed with SIGKILL:
+    restarted from its append-only file, it holds every event that was acknowledged (and at
+    most the one in flight), and a retry of the last one with its key is applied once."""
+    uri = redis_server.uri()
+    store = open_store(uri, 0)
+    store.load([(7, b"")])
+    acked: list[int] = []
+    failed: list[Exception] = []
+
+    def stream() -> None:
+        version, n = 1, 0
+        while True:
+            try:
+                (out,) = store.commit([Write(7, version, b"x" * (n + 1), n, 0, f"e{n}", {"n": n})])
+            except StoreUnavailable as e:
+                failed.append(e)
+                return
+            version = out.version
+            acked.append(n)  # acknowledged: the server replied after its fsync
+            n += 1
+
+    writer = threading.Thread(target=stream)
+    writer.start()
+    try:
+        deadline = time.time() + 60
+        while len(acked) < 200 and time.time() < deadline and writer.is_alive():
+            time.sleep(0.01)
+        redis_server.kill()
+        writer.join(timeout=60)
+    finally:
+        redis_server.start()
+    assert failed and not writer.is_alive() and len(acked) >= 200
+    again = open_store(uri, 0)  # the replica after a restart: a new writer
+    ((version, value),) = again.get([7])
+    last = acked[-1]
+    applied = len(value)  # event n made the value n + 1 bytes long
+    assert last + 1 <= applied <= last + 2
+    assert version == applied + 1 and again.stats()["events"] == applied
+    assert again.answer_of(f"e{last}") == {"n": last}
+    (retry,) = again.commit([write(7, version, b"retry", key=f"e{last}")])
+    assert retry.status == "duplicate" and again.get([7])[0][1] == value
+
+
 WRITER = """
 import sys
 from artifacts.state_store import SqliteStateStore, Write
@@ -138,7 +221,7 @@ while True:
 """
 
 
-def test_no_acknowledged_event_is_lost_to_kill_9(tmp_path):
+def test_no_acknowledged_event_is_lost_to_kill_9_of_the_embedded_writer(tmp_path):
     """A process commits events as fast as it can and is killed with SIGKILL mid-stream:
     reopened, the store holds every event it acknowledged (and at most the one in flight)."""
     path = str(tmp_path / "s.sqlite")
