@@ -1,13 +1,17 @@
 """The serving state store at scale: synthetic users in the default state layout (2 layers,
-CollectiveKV M 1024, d_u 1, K and V shared), 50 cached tokens each, in the embedded engine.
+CollectiveKV M 1024, d_u 1, K and V shared), 50 cached tokens each, in each engine - the
+embedded one (SQLite) and Redis (a redis-server this benchmark starts on 127.0.0.1, its
+append-only file fsynced on every write).
 
-    python -m benchmarks.state_store --users 1000000,10000000 --out out/bench/state_store
+    python -m benchmarks.state_store --engines sqlite,redis --users 1000000,10000000
 
-For each size: load time, bytes on disk per user, the process's peak RSS, lookup p50/p99 of 32
-random users at once, durable events per second at concurrency 1 and 64 (group commit), and a
-``kill -9`` of a process committing events: seconds until the reopened store serves again and
-acknowledged events lost. One JSON line per size while it runs; all of them in
-``benchmarks/results/state_store.json``.
+For each engine and size: load time, bytes per user on disk (the database, or Redis's
+append-only file) and in Redis's memory, the peak RSS of the process holding the data, lookup
+p50/p99 of 32 random users at once, durable events per second at concurrency 1 and 64 (group
+commit), and ``kill -9`` during a stream of acknowledged events - of the writing process
+(SQLite) or of the server (Redis) - then seconds until the store serves again and acknowledged
+events lost. One JSON line per row while it runs; all rows in
+``benchmarks/results/state_store.json`` (rows of other engines or sizes already there are kept).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 import numpy as np
 
 from artifacts import states
-from artifacts.state_store import SqliteStateStore, Write
+from artifacts.state_store import Write, open_store
 from models.config import CollectiveKVConfig
 
 TOKENS = 50
@@ -47,15 +51,90 @@ def synthetic_value(rng: np.random.Generator, tokens: int = TOKENS) -> bytes:
     return states.pack(row, LAYOUT)
 
 
-def rss_peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+class Sqlite:
+    """The embedded engine: one shard's database in ``folder``; the data's process is ours."""
+
+    name = "sqlite"
+
+    def __init__(self, folder: str) -> None:
+        self.uri = folder
+
+    def open(self, writer: bool = True):
+        return open_store(self.uri, 0, writer=writer, cache_mib=64)
+
+    def figures(self, users: int) -> dict:
+        disk = sum(os.path.getsize(os.path.join(self.uri, f)) for f in os.listdir(self.uri))
+        return {"disk_bytes_per_user": round(disk / users, 1)}
+
+    def rss_peak_mib(self) -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def kill_9(self, writer: subprocess.Popen) -> float:
+        """Kill the process holding the store; seconds until a reopened store serves."""
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+        t0 = time.perf_counter()
+        store = self.open(writer=False)
+        store.get([0])
+        back = time.perf_counter() - t0
+        store.close()
+        return back
+
+    def close(self) -> None:
+        pass
 
 
-def load(path: str, users: int, seed: int) -> dict:
+class Redis:
+    """A redis-server of our own in ``folder`` (append-only file, fsync always); the data's
+    process is the server."""
+
+    name = "redis"
+
+    def __init__(self, folder: str) -> None:
+        from benchmarks.redis_server import RedisServer
+
+        self.server = RedisServer(folder)
+        self.uri = self.server.uri("bench")
+        self.base_memory = self.info("used_memory")
+
+    def info(self, field: str) -> int:
+        return int(self.server.client().info("memory")[field])
+
+    def open(self, writer: bool = True):
+        return open_store(self.uri, 0, writer=writer, redis_fsync="always")
+
+    def figures(self, users: int) -> dict:
+        aof = 0
+        for root, _, files in os.walk(self.server.folder):
+            aof += sum(os.path.getsize(os.path.join(root, f)) for f in files if "aof" in f)
+        memory = self.info("used_memory") - self.base_memory
+        return {
+            "disk_bytes_per_user": round(aof / users, 1),
+            "memory_bytes_per_user": round(memory / users, 1),
+        }
+
+    def rss_peak_mib(self) -> float:
+        with open(f"/proc/{self.server.proc.pid}/status") as f:
+            peak = next(line for line in f if line.startswith("VmHWM:"))
+        return int(peak.split()[1]) / 1024
+
+    def kill_9(self, writer: subprocess.Popen) -> float:
+        """Kill the server (then the writer, now failing); seconds until the restarted server
+        has replayed its append-only file and serves."""
+        self.server.kill()
+        writer.kill()
+        writer.wait()
+        return self.server.start(timeout_s=600)
+
+    def close(self) -> None:
+        self.server.kill()
+
+
+def load(engine, users: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     # 256 distinct values, reused: building 10M random values would cost more than the load
     values = [synthetic_value(rng) for _ in range(256)]
-    store = SqliteStateStore(path, cache_mib=64)
+    store = engine.open()
     t0 = time.perf_counter()
     done = 0
 
@@ -70,14 +149,10 @@ def load(path: str, users: int, seed: int) -> dict:
     store.load(rows())
     seconds = time.perf_counter() - t0
     store.close()
-    disk = sum(
-        os.path.getsize(os.path.join(os.path.dirname(path), f))
-        for f in os.listdir(os.path.dirname(path))
-    )
-    return {"load_s": round(seconds, 1), "disk_bytes_per_user": round(disk / users, 1)}
+    return {"load_s": round(seconds, 1), **engine.figures(users)}
 
 
-def lookups(store: SqliteStateStore, users: int, rng, n: int = 2000) -> dict:
+def lookups(store, users: int, rng, n: int = 2000) -> dict:
     took = []
     for _ in range(n):
         ids = rng.integers(0, users, 32).tolist()
@@ -92,14 +167,14 @@ def lookups(store: SqliteStateStore, users: int, rng, n: int = 2000) -> dict:
     }
 
 
-async def events(path: str, users: int, concurrency: int, seconds: float, rng) -> float:
+async def events(engine, users: int, concurrency: int, seconds: float, rng) -> float:
     """Durable events per second: ``concurrency`` clients, each appending to its own users."""
     from services.store import Committer
 
     class Shard:  # what Committer needs: the writer
-        writer = SqliteStateStore(path, cache_mib=64)
+        writer = engine.open()
 
-    committer = Committer(Shard(), wait_s=0.002)
+    committer = Committer(Shard())
     value = synthetic_value(rng, TOKENS)
     picked = rng.choice(users, concurrency, replace=False).tolist()
     versions = [v for v, _ in Shard.writer.get(picked)]  # before any commit runs
@@ -124,8 +199,8 @@ async def events(path: str, users: int, concurrency: int, seconds: float, rng) -
 
 WRITER = """
 import sys
-from artifacts.state_store import SqliteStateStore, Write
-store = SqliteStateStore(sys.argv[1], cache_mib=64)
+from artifacts.state_store import Write, open_store
+store = open_store(sys.argv[1], 0, writer=True)
 user = int(sys.argv[2])
 (version, value), = store.get([user])
 n = 0
@@ -137,11 +212,12 @@ while True:
 """
 
 
-def kill_9(path: str, users: int) -> dict:
+def kill_9(engine, users: int) -> dict:
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, path, str(users // 2)],
+        [sys.executable, "-c", WRITER, engine.uri, str(users // 2)],
         cwd=REPO,
         stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # killed mid-commit (or its server is): its traceback
         text=True,
     )
     acked = []
@@ -149,34 +225,36 @@ def kill_9(path: str, users: int) -> dict:
         acked.append(int(line))
         if len(acked) >= 500:
             break
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    t0 = time.perf_counter()
-    store = SqliteStateStore(path, cache_mib=64)
-    store.get([0])
-    back = time.perf_counter() - t0
+    back = engine.kill_9(proc)
+    store = engine.open(writer=False)
     lost = sum(store.answer_of(f"kill-{n}") is None for n in acked)
     store.close()
     return {"kill9_to_serving_s": round(back, 3), "kill9_acked": len(acked), "acked_lost": lost}
 
 
-def measure(users: int, folder: str, seconds: float) -> dict:
+ENGINES = {"sqlite": Sqlite, "redis": Redis}
+
+
+def measure(engine_name: str, users: int, folder: str, seconds: float) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
-    path = os.path.join(folder, "shard-0.sqlite")
+    engine = ENGINES[engine_name](folder)
     rng = np.random.default_rng(0)
-    out = {"engine": "sqlite", "users": users, "tokens_per_user": TOKENS}
+    out = {"engine": engine.name, "users": users, "tokens_per_user": TOKENS}
     out["state_bytes_per_user"] = TOKENS * 2 * (2 * 2 + 2 * 2)  # layers x (2 indices + 2 d_u)
     out["packed_bytes_per_user"] = len(synthetic_value(rng))
-    out |= load(path, users, seed=1)
-    store = SqliteStateStore(path, cache_mib=64, writer=False)
-    out |= lookups(store, users, rng)
-    store.close()
-    for c in (1, 64):
-        out[f"events_per_s_c{c}"] = round(asyncio.run(events(path, users, c, seconds, rng)))
-    out |= kill_9(path, users)
-    out["rss_peak_mib"] = round(rss_peak_mib())
-    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        out |= load(engine, users, seed=1)
+        store = engine.open(writer=False)
+        out |= lookups(store, users, rng)
+        store.close()
+        for c in (1, 64):
+            out[f"events_per_s_c{c}"] = round(asyncio.run(events(engine, users, c, seconds, rng)))
+        out["rss_peak_mib"] = round(engine.rss_peak_mib())
+        out |= kill_9(engine, users)
+    finally:
+        engine.close()
+        shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -184,16 +262,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--engines", default="sqlite,redis", help="engines, comma-separated")
     p.add_argument("--users", default="1000000,10000000", help="sizes, comma-separated")
     p.add_argument("--out", default="out/bench/state_store", help="scratch folder (removed after)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of each events run")
     p.add_argument("--json", default="benchmarks/results/state_store.json", help="results file")
     a = p.parse_args(argv)
+    engines = a.engines.split(",")
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        p.error(f"--engines: unknown {sorted(unknown)}; one of {sorted(ENGINES)}")
     rows = []
-    for n in [int(x) for x in a.users.split(",")]:
-        print(f"{n:,} users", flush=True)
-        rows.append(measure(n, os.path.join(a.out, str(n)), a.seconds))
-        print(json.dumps(rows[-1]), flush=True)
+    for engine in engines:
+        for n in [int(x) for x in a.users.split(",")]:
+            print(f"{engine}, {n:,} users", flush=True)
+            rows.append(measure(engine, n, os.path.join(a.out, f"{engine}-{n}"), a.seconds))
+            print(json.dumps(rows[-1]), flush=True)
+    measured = {(r["engine"], r["users"]) for r in rows}
+    kept = []
+    if os.path.exists(a.json):
+        with open(a.json) as f:
+            kept = [r for r in json.load(f)["rows"] if (r["engine"], r["users"]) not in measured]
+    rows = sorted(kept + rows, key=lambda r: (r["engine"] != "sqlite", r["engine"], r["users"]))
     result = {"benchmark": "state_store", "machine": f"{os.cpu_count()} CPUs", "rows": rows}
     with open(a.json, "w") as f:
         json.dump(result, f, indent=2)

@@ -9,9 +9,10 @@ Everything is loaded from ONE manifest (a ``build_user_states`` output): it name
 - ``Ingress`` (FastAPI): validates requests, maps item ids to vids, routes a user to their
   store shard and the candidates to a ranker replica. OpenAPI at ``/docs``.
 - ``UserStateStore<i>``: the compressed states of the users with ``user_id % shards == i`` in
-  the embedded state engine (``artifacts.state_store``), one replica each. An event becomes one
-  more cached token (the ranker's ``extend``), is committed durably (with the events that
-  arrived within a few milliseconds: group commit) and only then acknowledged; an event with an
+  a state engine (``artifacts.state_store``: embedded SQLite by default, or Redis), one replica
+  each. An event becomes one more cached token (the ranker's ``extend``), is committed durably
+  (with the events that arrived during the previous commit: group commit) and only then
+  acknowledged; an event with an
   ``event_id`` is applied once however often it is sent (``services.store``).
 - ``Ranker``: model, item table and pools on its device; ``@serve.batch`` gathers concurrent
   requests and scores them in one expand + MIS forward. Stateless, autoscaled.
@@ -273,7 +274,7 @@ class UserStateStore:
             s.store_cache_mib,
             s.redis_fsync,
         )
-        self.commits = Committer(self.store, s.commit_wait_s)
+        self.commits = Committer(self.store)
         self.ranker = ranker
         self.locks: dict[
             int, list

@@ -40,9 +40,6 @@ class ServeSettings:
     store_cache_mib: int = option(
         64, "MiB of page cache per store shard: its memory, whatever the number of users"
     )
-    commit_wait_s: float = option(
-        0.002, "seconds a shard gathers events into one durable commit (group commit)"
-    )
     state_slack_items: int = option(
         50,
         "history items a state may grow past the ranker's max_len before it is rebuilt from the "
@@ -106,8 +103,8 @@ class ServeSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.commit_wait_s < 0 or self.state_slack_items < 0:
-            raise InputError("commit_wait_s and state_slack_items must be >= 0")
+        if self.state_slack_items < 0:
+            raise InputError(f"state_slack_items must be >= 0, got {self.state_slack_items}")
         if self.redis_fsync not in ("always", "everysec", "server"):
             raise InputError(
                 f"redis_fsync must be always, everysec or server, got {self.redis_fsync!r}"

@@ -7,8 +7,9 @@ database is ``<store_uri>/shard-<i>.sqlite`` on a local disk (a persistent volum
 cluster); with ``redis://...`` its keys are on that server, under the shard's hash tag. The first
 start loads the shard's rows from the published states and records which version it loaded;
 later starts open the database as it is, with every event acknowledged since. Events are
-committed in groups (``Committer``): the events that arrive within ``commit_wait_s`` share one
-transaction and one fsync, and each is acknowledged only after that commit returned.
+committed in groups (``Committer``): the events that arrive while a commit is in flight share the
+next one - one transaction and one fsync - and each is acknowledged only after its commit
+returned.
 """
 
 from __future__ import annotations
@@ -105,12 +106,13 @@ class ShardStore:
 
 class Committer:
     """Group commit: ``submit`` queues a write and returns once the transaction holding it is
-    durable. One task drains the queue: it takes what arrived within ``wait_s`` of the first
-    write (at most ``max_group``) and commits it in one transaction on a worker thread, so the
-    event loop keeps serving reads meanwhile."""
+    durable. One task drains the queue: it commits whatever is queued (at most ``max_group``)
+    in one transaction on a worker thread, so the event loop keeps serving reads meanwhile, and
+    the writes that arrive during that commit make up the next. A lone event is committed at
+    once; under load the groups grow with the commit's latency, with no timer to tune."""
 
-    def __init__(self, store: ShardStore, wait_s: float = 0.002, max_group: int = 256) -> None:
-        self.store, self.wait_s, self.max_group = store, wait_s, max_group
+    def __init__(self, store: ShardStore, max_group: int = 256) -> None:
+        self.store, self.max_group = store, max_group
         self.queue: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
 
@@ -124,15 +126,8 @@ class Committer:
     async def _drain(self) -> None:
         while True:
             group = [await self.queue.get()]
-            deadline = asyncio.get_running_loop().time() + self.wait_s
-            while len(group) < self.max_group:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
-                    break
-                try:
-                    group.append(await asyncio.wait_for(self.queue.get(), left))
-                except TimeoutError:
-                    break
+            while len(group) < self.max_group and not self.queue.empty():
+                group.append(self.queue.get_nowait())
             try:
                 outcomes = await asyncio.to_thread(self.store.writer.commit, [w for w, _ in group])
             except Exception as e:  # noqa: BLE001 - every waiting event gets the error

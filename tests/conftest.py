@@ -1,13 +1,14 @@
-"""Shared fixtures: the data directory, a local Ray, and an S3 endpoint (moto) on 127.0.0.1."""
+"""Shared fixtures: the data directory, a local Ray, an S3 endpoint (moto) and a redis-server
+on 127.0.0.1."""
 
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import pytest
 
+from benchmarks.redis_server import RedisServer, free_port
 from pipelines.common import sources
 
 # the slow tier: every test that starts a Ray (embedded or a cluster) or needs the tiny trained
@@ -19,12 +20,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -71,56 +66,6 @@ def s3_endpoint():
         else:
             os.environ[k] = v
     server.stop()
-
-
-class RedisServer:
-    """A real redis-server on 127.0.0.1 in its own folder, with its append-only file fsynced on
-    every write (or the persistence of ``conf``, a redis.conf, if given); ``kill`` is a SIGKILL
-    and ``start`` brings it back on the same port and file."""
-
-    def __init__(self, folder, conf: str | None = None) -> None:
-        import shutil
-
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            pytest.fail("no redis-server: `make test` installs it (Debian package redis-server)")
-        self.folder, self.port, self.conf = str(folder), free_port(), conf
-        self.start()
-
-    def start(self) -> None:
-        import subprocess
-        import time
-
-        import redis
-
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.folder]
-        if not self.conf:
-            args += ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
-        args += ["--logfile", os.path.join(self.folder, "redis.log")]
-        self.proc = subprocess.Popen([self.binary, *([self.conf] if self.conf else []), *args])
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
-        deadline = time.time() + 30
-        while True:
-            try:
-                if client.ping():
-                    break
-            except redis.exceptions.BusyLoadingError:
-                pass  # replaying its append-only file
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    raise
-            time.sleep(0.02)
-        client.close()
-
-    def kill(self) -> None:
-        import signal
-
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def uri(self, prefix: str | None = None) -> str:
-        """A store URI on this server; a fresh key prefix unless one is given."""
-        return f"redis://127.0.0.1:{self.port}/0?prefix={prefix or uuid.uuid4().hex[:10]}"
 
 
 @pytest.fixture(scope="session")

@@ -36,3 +36,29 @@ def test_scoring_benchmark_writes_all_four_paths(tmp_path):
         for path in ("full", "prefix", "mis", "mis_ckv"):
             assert row[path]["scores_per_s"] > 0 and 0 < row[path]["share_of_peak"]
     assert report["bytes_per_user"]["3"]["full_kv_fp16"] == 4 * 2 * 2 * 256 * 2
+
+
+def test_state_store_benchmark_measures_both_engines_and_keeps_other_rows(tmp_path):
+    out = tmp_path / "state_store.json"
+    other = {"engine": "sqlite", "users": 7, "note": "an earlier row of another size"}
+    out.write_text(json.dumps({"rows": [other]}))
+    args = ["--users", "3000", "--seconds", "0.3", "--json", str(out)]
+    args += ["--out", str(tmp_path / "scratch")]
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.state_store", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["engine"], r["users"]) for r in rows] == [
+        ("sqlite", 7),
+        ("sqlite", 3000),
+        ("redis", 3000),
+    ]
+    for r in rows[1:]:
+        assert r["kill9_acked"] == 500 and r["acked_lost"] == 0
+        assert r["packed_bytes_per_user"] == 1054 and r["disk_bytes_per_user"] > 0
+    assert rows[2]["memory_bytes_per_user"] > rows[2]["packed_bytes_per_user"]
+    assert not (tmp_path / "scratch" / "sqlite-3000").exists()  # the scratch data is removed

@@ -144,9 +144,7 @@ def redis_service() -> str:
 
 
 def test_the_redis_statefulset_runs_its_config_on_a_volume_behind_its_service(tmp_path):
-    import redis
-
-    from tests.conftest import RedisServer
+    from benchmarks.redis_server import RedisServer
 
     docs = redis_manifests()
     assert sorted(docs) == ["ConfigMap", "NetworkPolicy", "Service", "StatefulSet"]
@@ -168,7 +166,7 @@ def test_the_redis_statefulset_runs_its_config_on_a_volume_behind_its_service(tm
     conf.write_text(text.replace(f"dir {conf_dir['data']}\n", f"dir {tmp_path}\n"))
     server = RedisServer(tmp_path, conf=str(conf))
     try:
-        client = redis.Redis(host="127.0.0.1", port=server.port)
+        client = server.client()
         want = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
         assert {k: client.config_get(k)[k] for k in want} == want
     finally:

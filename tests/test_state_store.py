@@ -131,7 +131,7 @@ def test_events_arriving_together_share_one_commit(store_uri):
     shard = Shard()
 
     async def burst():
-        committer = Committer(shard, wait_s=0.005)
+        committer = Committer(shard)
         return await asyncio.gather(
             *(committer.submit(write(u, 0, b"s", key=f"k{u}")) for u in range(64))
         )
