@@ -100,6 +100,22 @@ def is_redis(uri: str | None) -> bool:
     return bool(uri) and uri.startswith(SCHEMES)
 
 
+def shards(uri: str) -> list[int]:
+    """The shards with keys under ``uri``'s prefix (each has a ``meta`` hash)."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    url, prefix, cluster = parse_uri(uri)
+    r = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    try:
+        keys = [k.decode() for k in r.scan_iter(match=f"{prefix}:{{*}}:meta", count=1000)]
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise StoreUnavailable(f"{uri}: {e}") from e
+    finally:
+        r.close()
+    return sorted(int(k[len(prefix) + 2 : k.index("}")]) for k in keys)
+
+
 def parse_uri(uri: str) -> tuple[str, str, bool]:
     """(server URL for the client, key prefix, cluster) of ``redis[s]://host:port/db`` with the
     optional query ``prefix=`` (default ``kvrank``) and ``cluster=1`` (a Redis Cluster)."""

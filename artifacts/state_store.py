@@ -358,3 +358,36 @@ def open_store(
     return SqliteStateStore(
         storage.join(uri, f"shard-{shard}.sqlite"), cache_mib=cache_mib, writer=writer
     )
+
+
+def store_shards(uri: str) -> list[int]:
+    """The shards a store holds: its ``shard-<i>.sqlite`` files, or its Redis shards' keys."""
+    import re
+
+    from artifacts import redis_store, storage
+    from models.errors import InputError
+
+    if redis_store.is_redis(uri):
+        return redis_store.shards(uri)
+    if storage.is_remote(uri) or not os.path.isdir(uri):
+        raise InputError(f"store {uri}: not a local folder of shard databases or a redis:// URI")
+    found = (re.fullmatch(r"shard-(\d+)\.sqlite", f) for f in os.listdir(uri))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def read_history(uri: str) -> list[tuple[str | None, list[tuple[int, int, int, float]]]]:
+    """Per shard of the store at ``uri``: (the states it loaded, every event applied since:
+    user, vid, feedback, time) - the durable history the next build of states starts from."""
+    from models.errors import InputError
+
+    shards = store_shards(uri)
+    if not shards:
+        raise InputError(f"store {uri}: no shards found")
+    out = []
+    for shard in shards:
+        store = open_store(uri, shard, writer=False)
+        try:
+            out.append((store.meta("states"), store.events()))
+        finally:
+            store.close()
+    return out

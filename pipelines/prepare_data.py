@@ -3,6 +3,8 @@
     python -m pipelines.prepare_data --dataset ml-latest-small --out ./out
     python -m pipelines.prepare_data --dataset shop --items items.csv --text-cols title,brand \\
         --interactions log.parquet --user-col uid --item-col sku --time-col ts --out s3://b/kv
+    python -m pipelines.prepare_data --dataset ml-latest-small --out ./out \\
+        --online-events out/serving/ml-latest-small-ckv     # + the events the store acknowledged
 
 Writes under ``<out>/datasets/<name>/`` (see DESIGN "Data model"):
 
@@ -18,6 +20,12 @@ Writes under ``<out>/datasets/<name>/`` (see DESIGN "Data model"):
 The transform runs in polars (columnar, streaming collect), so memory follows the Arrow columns,
 not Python objects per row; it runs the same in-process or under ``ray job submit``, and needs
 no Ray workers: on a single node, polars handles tens of millions of interactions in seconds.
+``--online-events STORE_URI`` adds every event a serving store acknowledged (its shards' durable
+history: user, item, feedback, in the order they were applied) after each user's interactions,
+so the next model's states are built from everything users did, not only from the last
+published data. The store names the states it served and through them the dataset whose vids
+its events use; those vids are mapped back to item ids, which the catalog must still hold.
+
 Nothing is written until every check has passed, and the output is published atomically
 (``artifacts.storage.Publication``), so a failed run never replaces a published dataset.
 """
@@ -124,6 +132,66 @@ def build_interactions(
     return df.sort(["user_id", "ts", "row"]).select("user_id", "item_id", "ts", "feedback")
 
 
+def online_interactions(
+    store_uri: str, interactions: pl.DataFrame, items: pl.DataFrame, cfg: PrepareConfig
+) -> pl.DataFrame:
+    """The events the store at ``store_uri`` acknowledged, as interaction rows placed after each
+    user's last one in the order they were applied (times are per-user positions from there)."""
+    from artifacts.state_store import read_history
+
+    parts, item_ids = [], {}
+    for states_uri, events in read_history(store_uri):
+        if not events:
+            continue
+        if states_uri is None:
+            raise InputError(f"store {store_uri}: a shard has events but no states it loaded")
+        dataset = storage.read_marker(states_uri)["dataset_uri"]
+        if dataset not in item_ids:
+            served = storage.read_table(dataset, "items.parquet", columns=["item_id", "vid"])
+            item_ids[dataset] = served.column("item_id").to_numpy()[
+                np.argsort(served.column("vid").to_numpy())
+            ]
+        user, vid, feedback, _ = (np.asarray(c) for c in zip(*events, strict=True))
+        parts.append(
+            pl.DataFrame(
+                {
+                    "user_id": user.astype(np.int64),
+                    "item_id": item_ids[dataset][vid],
+                    "feedback": feedback.astype(np.int8),
+                }
+            )
+        )
+    if not parts:
+        return interactions.head(0)
+    online = pl.concat(parts).with_row_index("_order")
+    unknown = online.join(items.select("item_id"), on="item_id", how="anti")
+    if unknown.height:
+        ids = unknown["item_id"].unique().sort().head(5).to_list()
+        raise InputError(
+            f"store {store_uri}: {unknown.height} event(s) name items no longer in the catalog "
+            f"(e.g. item_id {ids})"
+        )
+    if online["feedback"].max() >= cfg.feedback_classes:
+        raise InputError(
+            f"store {store_uri}: feedback up to {online['feedback'].max()}, but these "
+            f"--rating-thresholds make {cfg.feedback_classes} classes"
+        )
+    last = interactions.group_by("user_id").agg(pl.col("ts").max().alias("_last"))
+    ts_type = interactions.schema["ts"]
+    return (
+        online.join(last, on="user_id", how="left")
+        .with_columns(
+            (
+                pl.col("_last").fill_null(0)
+                + pl.col("_order").rank("ordinal").over("user_id").cast(ts_type)
+            ).alias("ts")
+        )
+        .sort("_order")
+        .select(interactions.columns)
+        .cast(interactions.schema)
+    )
+
+
 def sample_negatives(
     user_ids: np.ndarray, seen: list[np.ndarray], catalog: np.ndarray, k: int, seed: int
 ) -> list[np.ndarray]:
@@ -184,7 +252,9 @@ def build_splits(
     return per_user.drop("_all").with_columns(neg)
 
 
-def prepare(source: sources.Source, out: str, cfg: PrepareConfig) -> dict:
+def prepare(
+    source: sources.Source, out: str, cfg: PrepareConfig, online_events: str | None = None
+) -> dict:
     """Build, check and publish the dataset; returns the summary."""
     t0 = time.perf_counter()
     target = dataset_uri(out, source.name)
@@ -192,6 +262,12 @@ def prepare(source: sources.Source, out: str, cfg: PrepareConfig) -> dict:
     items = build_items(source)
     log.info("[2/4] interactions: checking item ids, bucketing feedback, sorting")
     interactions = build_interactions(source, items, cfg)
+    online = 0
+    if online_events:
+        extra = online_interactions(online_events, interactions, items, cfg)
+        online = extra.height
+        log.info("[2/4] %d acknowledged event(s) from the store %s", online, online_events)
+        interactions = pl.concat([interactions, extra]).sort("user_id", "ts", maintain_order=True)
     log.info("[3/4] splits: leave-one-out and %d sampled negatives per user", cfg.negatives)
     splits = build_splits(interactions, items, cfg)
     counts = interactions.group_by("user_id").len()["len"]
@@ -202,6 +278,7 @@ def prepare(source: sources.Source, out: str, cfg: PrepareConfig) -> dict:
         "users": int(counts.len()),
         "items": items.height,
         "interactions": interactions.height,
+        "online_events": online,
         "split_users": splits.height,
         "users_too_short": int(counts.len() - splits.height),
         "mean_history_length": round(float(hist.mean()), 2) if splits.height else 0.0,
@@ -220,6 +297,7 @@ def prepare(source: sources.Source, out: str, cfg: PrepareConfig) -> dict:
                 "name": source.name,
                 "description": source.description,
                 "sources": [source.items_file, source.interactions_file, *source.extra_files],
+                "online_events": {"store": online_events, "events": online},
                 "ts_kind": source.ts_kind,
                 "feedback_classes": cfg.feedback_classes,
                 "config": asdict(cfg),
@@ -255,6 +333,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--data-dir",
         help="folder with the built-in datasets (default: $KVRANK_DATA_DIR, ../shared/data)",
+    )
+    p.add_argument(
+        "--online-events",
+        metavar="STORE_URI",
+        help="also every event a serving store acknowledged (its store_uri: a local folder or "
+        "redis://...), after each user's interactions",
     )
     cli.add_fields(p, PrepareConfig, "splits", only=("negatives", "seed"))
     p.add_argument(
@@ -318,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cli.from_args(a, PrepareConfig, rating_thresholds=thresholds)
         storage.check_writable(a.out)  # fail before reading anything when --out is unusable
         log.info("reading %s", a.dataset)
-        return prepare(source_from_args(a), a.out, cfg)
+        return prepare(source_from_args(a), a.out, cfg, a.online_events)
 
     return jobs.run(job)
 

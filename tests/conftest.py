@@ -75,6 +75,14 @@ def redis_server(tmp_path_factory):
     server.kill()
 
 
+@pytest.fixture(params=["sqlite", "redis"])
+def store_uri(request, tmp_path) -> str:
+    """A fresh store of each engine: a local folder, or a fresh key prefix on the Redis server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("redis_server").uri()
+
+
 @pytest.fixture()
 def s3_bucket(s3_endpoint) -> str:
     """A fresh bucket per test; returns its s3:// URI."""

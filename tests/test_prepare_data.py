@@ -275,3 +275,50 @@ def test_cli_runs_as_a_module_and_prints_one_json_line(tmp_path, data_dir):
 def test_config_rejects_decreasing_thresholds():
     with pytest.raises(sources.InputError, match="increasing"):
         PrepareConfig(rating_thresholds=(3.0, 2.0))
+
+
+def test_online_events_of_a_serving_store_join_the_next_dataset(tmp_path, capsys, store_uri):
+    """Events a store acknowledged (in either engine) come back as interactions after each
+    user's own, in the order they were applied - a known user's and a new user's - with the
+    store's vids mapped back to item ids through the dataset its states were built from."""
+    from artifacts import storage
+    from artifacts.state_store import Write, open_store
+    from tests import tiny
+
+    seq = tiny.write_sequences(tmp_path)
+    items_csv = tiny.write_catalog(tmp_path, tiny.base_texts())
+    dataset = tiny.prepare(tmp_path, str(tmp_path / "served"), items_csv, seq)
+    states_uri = str(tmp_path / "states")
+    storage.Publication(states_uri).publish({"kind": "user_states", "dataset_uri": dataset})
+    vid_of = dict(load_dataset(dataset)["items"].select("item_id", "vid").iter_rows())
+    events = {3: [(10, 2), (15, 4)], 1000: [(1, 0), (6, 3), (11, 1)]}  # user -> (item, feedback)
+    for shard in (0, 1):
+        store = open_store(store_uri, shard)
+        store.load([], meta={"states": storage.resolve(states_uri)})
+        for user in (u for u in events if u % 2 == shard):
+            for version, (item, fb) in enumerate(events[user]):
+                store.commit([Write(user, version, b"s", vid_of[item], fb, None, {})])
+        store.close()
+
+    before = load_dataset(dataset)["interactions"]
+    args = ["--dataset", "tiny", "--items", items_csv, "--sequences", seq, "--negatives", "10"]
+    summary = run_job(capsys, *args, "--out", str(tmp_path / "next"), "--online-events", store_uri)
+    assert summary["online_events"] == 5
+    assert summary["interactions"] == before.height + 5
+    after = load_dataset(summary["out"])
+    for user, done in events.items():
+        mine = after["interactions"].filter(pl.col("user_id") == user)
+        old = before.filter(pl.col("user_id") == user)
+        assert mine.head(old.height).equals(old)
+        tail = mine.tail(len(done))
+        assert list(zip(tail["item_id"], tail["feedback"], strict=True)) == done
+        assert tail["ts"].is_sorted() and (old.height == 0 or tail["ts"][0] > old["ts"].max())
+    new_user = after["splits"].filter(pl.col("user_id") == 1000)
+    assert (new_user["history"].item().to_list(), new_user["test_item"].item()) == ([1], 11)
+    check_splits(after, 10)
+
+    bad = ["--rating-thresholds", "1.5,2.5,3.5"]  # 4 classes: feedback 4 is out of range
+    rc = prepare_data.main(
+        [*args, *bad, "--out", str(tmp_path / "x"), "--online-events", store_uri]
+    )
+    assert rc != 0 and "feedback up to 4" in capsys.readouterr().err

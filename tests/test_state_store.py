@@ -53,14 +53,6 @@ def write(user: int, version: int, value: bytes, key: str | None = None, vid: in
     return Write(user, version, value, vid, 0, key, {"user": user, "vid": vid})
 
 
-@pytest.fixture(params=["sqlite", "redis"])
-def store_uri(request, tmp_path) -> str:
-    """A fresh store of each engine: a local folder, or a fresh key prefix on the Redis server."""
-    if request.param == "sqlite":
-        return str(tmp_path / "store")
-    return request.getfixturevalue("redis_server").uri()
-
-
 def test_versioned_writes_keys_and_figures(store_uri):
     store = open_store(store_uri, 0)
     assert store.load([(1, b"a" * 10), (2, b"b" * 20)]) == 2
