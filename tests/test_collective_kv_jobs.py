@@ -152,7 +152,8 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
         == pytest.approx(fit["layer0_k_kmeans_rel_error"], rel=1e-3)
     )
     # two actors finish their batches in either order, one actor in one: one seed still
-    # collects the same tokens
+    # collects the same tokens (their K/V equal up to float rounding: an actor's batch, and so
+    # its padding and reduction order, depends on how the users were split)
     collected = [
         kv_inputs.collect_kv_inputs(base["checkpoint"], ds, users=0, max_tokens=100, actors=a)
         for a in (2, 1)
@@ -161,7 +162,8 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     assert (
         len(user_a) == 100 and np.array_equal(user_a, user_b) and user_a.tolist() == sorted(user_a)
     )
-    assert all(np.array_equal(a, b) for a, b in zip(xs_a, xs_b, strict=True))
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(xs_a, xs_b, strict=True))
+    assert worst < 1e-5, worst
     # what auto counts as the cached tokens there are is what a collection without a token cap
     # returns: every user's, or those of the seeded users --init-users samples
     for users in (0, 7):
