@@ -101,6 +101,7 @@ class StateStore:
         raise NotImplementedError
 
     def meta(self, key: str) -> str | None:
+        """A recorded figure or fact of the shard (``users``, ``packed_bytes``, ``states``)."""
         raise NotImplementedError
 
     def answer_of(self, key: str) -> dict | None:

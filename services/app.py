@@ -12,8 +12,8 @@ Everything is loaded from ONE manifest (a ``build_user_states`` output): it name
   a state engine (``artifacts.state_store``: embedded SQLite by default, or Redis), one replica
   each. An event becomes one more cached token (the ranker's ``extend``), is committed durably
   (with the events that arrived during the previous commit: group commit) and only then
-  acknowledged; an event with an
-  ``event_id`` is applied once however often it is sent (``services.store``).
+  acknowledged; an event with an ``event_id`` is applied once however often it is sent
+  (``services.store``).
 - ``Ranker``: model, item table and pools on its device; ``@serve.batch`` gathers concurrent
   requests and scores them in one expand + MIS forward. Stateless, autoscaled.
 
