@@ -223,12 +223,17 @@ class RedisStateStore(StateStore):
         return None if got is None else json.loads(got)
 
     def events(self) -> list[tuple[int, int, int, float]]:
-        """Every applied event in order: (user, vid, feedback, time)."""
+        """Every applied event in order: (user, vid, feedback, time), read in pages of 10,000
+        (one reply never holds the whole stream)."""
+        out, start = [], "-"
         with self._reachable():
-            rows = self.r.xrange(self.events_key)
-        return [
-            (int(f[b"user"]), int(f[b"vid"]), int(f[b"feedback"]), float(f[b"at"])) for _, f in rows
-        ]
+            while rows := self.r.xrange(self.events_key, min=start, count=10_000):
+                out += [
+                    (int(f[b"user"]), int(f[b"vid"]), int(f[b"feedback"]), float(f[b"at"]))
+                    for _, f in rows
+                ]
+                start = "(" + rows[-1][0].decode()  # after the last id read
+        return out
 
     # -- writes
 

@@ -238,3 +238,16 @@ def test_no_acknowledged_event_is_lost_to_kill_9_of_the_embedded_writer(tmp_path
     (again,) = store.commit([write(7, version, b"retry", key=f"e{acked}")])
     assert again.status == "duplicate" and store.get([7])[0][1] == value
     assert json.loads(json.dumps(store.stats()))["events"] == applied
+
+
+def test_the_event_history_reads_back_whole_and_in_order_past_one_page(store_uri):
+    """25,000 events (Redis reads its stream in pages of 10,000): all of them, in order."""
+    store = open_store(store_uri, 0)
+    store.load([(1, b"x")])
+    version = 1
+    for group in range(25):
+        writes = [write(1, version + i, b"y", vid=group * 1000 + i) for i in range(1000)]
+        assert {o.status for o in store.commit(writes)} == {"applied"}
+        version += 1000
+    assert [e[1] for e in store.events()] == list(range(25_000))
+    store.close()
