@@ -100,13 +100,19 @@ def is_redis(uri: str | None) -> bool:
     return bool(uri) and uri.startswith(SCHEMES)
 
 
-def shards(uri: str) -> list[int]:
-    """The shards with keys under ``uri``'s prefix (each has a ``meta`` hash)."""
+def _client(url: str, cluster: bool, **kw):
     import redis
     from redis.cluster import RedisCluster
 
+    return RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
+
+
+def shards(uri: str) -> list[int]:
+    """The shards with keys under ``uri``'s prefix (each has a ``meta`` hash)."""
+    import redis
+
     url, prefix, cluster = parse_uri(uri)
-    r = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    r = _client(url, cluster)
     try:
         keys = [k.decode() for k in r.scan_iter(match=f"{prefix}:{{*}}:meta", count=1000)]
     except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -143,15 +149,12 @@ class RedisStateStore(StateStore):
         fsync: str = "always",
         timeout_s: float = 10.0,
     ) -> None:
-        import redis
-        from redis.cluster import RedisCluster
-
         if fsync not in FSYNC:
             raise InputError(f"redis fsync {fsync!r}: one of {', '.join(FSYNC)}")
         url, prefix, cluster = parse_uri(uri)
         self.uri, self.shard = uri, shard
         kw = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-        self.r = RedisCluster.from_url(url, **kw) if cluster else redis.Redis.from_url(url, **kw)
+        self.r = _client(url, cluster, **kw)
         self.base = f"{prefix}:{{{shard}}}:"
         self.meta_key, self.events_key = self.base + "meta", self.base + "events"
         self._commit = self.r.register_script(COMMIT)

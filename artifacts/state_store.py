@@ -335,6 +335,22 @@ class SqliteStateStore(StateStore):
         self.db.close()
 
 
+def check_store_uri(uri: str) -> bool:
+    """True for a Redis store, False for a local folder; anything else (s3://, ...) is an
+    InputError, since neither engine can keep its data there."""
+    from artifacts import redis_store, storage
+    from models.errors import InputError
+
+    if redis_store.is_redis(uri):
+        return True
+    if storage.is_remote(uri):
+        raise InputError(
+            f"store_uri {uri}: give a local folder for the embedded engine (on a cluster, a "
+            "persistent volume) or a redis:// server"
+        )
+    return False
+
+
 def open_store(
     uri: str,
     shard: int,
@@ -347,15 +363,9 @@ def open_store(
     (``artifacts.redis_store``), a local folder the embedded engine (``<uri>/shard-<i>.sqlite``).
     """
     from artifacts import redis_store, storage
-    from models.errors import InputError
 
-    if redis_store.is_redis(uri):
+    if check_store_uri(uri):
         return redis_store.RedisStateStore(uri, shard, writer=writer, fsync=redis_fsync)
-    if storage.is_remote(uri):
-        raise InputError(
-            f"store_uri {uri}: give a local folder for the embedded engine (on a cluster, a "
-            "persistent volume) or a redis:// server"
-        )
     return SqliteStateStore(
         storage.join(uri, f"shard-{shard}.sqlite"), cache_mib=cache_mib, writer=writer
     )

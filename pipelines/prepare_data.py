@@ -20,6 +20,7 @@ Writes under ``<out>/datasets/<name>/`` (see DESIGN "Data model"):
 The transform runs in polars (columnar, streaming collect), so memory follows the Arrow columns,
 not Python objects per row; it runs the same in-process or under ``ray job submit``, and needs
 no Ray workers: on a single node, polars handles tens of millions of interactions in seconds.
+
 ``--online-events STORE_URI`` adds every event a serving store acknowledged (its shards' durable
 history: user, item, feedback, in the order they were applied) after each user's interactions,
 so the next model's states are built from everything users did, not only from the last

@@ -105,10 +105,10 @@ class ServeSettings:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.state_slack_items < 0:
             raise InputError(f"state_slack_items must be >= 0, got {self.state_slack_items}")
-        if self.redis_fsync not in ("always", "everysec", "server"):
-            raise InputError(
-                f"redis_fsync must be always, everysec or server, got {self.redis_fsync!r}"
-            )
+        from artifacts.redis_store import FSYNC
+
+        if self.redis_fsync not in FSYNC:
+            raise InputError(f"redis_fsync must be one of {FSYNC}, got {self.redis_fsync!r}")
         if self.ranker_min_replicas > self.ranker_max_replicas:
             raise InputError("ranker_min_replicas must be <= ranker_max_replicas")
         if not self.manifest_uri:
@@ -122,14 +122,17 @@ class ServeSettings:
             raise InputError("item_prior_weight is set but item_prior_uri is not")
 
     def resolved_store_uri(self) -> str:
-        from artifacts import redis_store, storage
+        from artifacts.state_store import check_store_uri
 
         uri = self.store_uri or _store_of(self.manifest_uri)
-        if storage.is_remote(uri) and not redis_store.is_redis(uri):
+        try:
+            check_store_uri(uri)
+        except InputError as e:
+            if self.store_uri:
+                raise
             raise InputError(
-                f"store_uri: the states are at {self.manifest_uri}, and the store needs a local "
-                "folder (a persistent volume on a cluster) or a redis:// server: set store_uri"
-            )
+                f"{e} - the default beside the states at {self.manifest_uri}; set store_uri"
+            ) from e
         return uri
 
     def pinned(self) -> ServeSettings:
