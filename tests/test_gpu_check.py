@@ -18,6 +18,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_section(tmp_path, capsy
         (t, n) for t in sizes["lengths"] for n in sizes["candidates"]
     ]
     assert all(r["scores_per_s"] > 0 and 0 < r["share_of_peak"] for r in report["mis"])
+    assert 0 < report["round_trip_s"] < min(r["seconds"] for r in report["mis"])
     (batch,) = report["batch"]
     assert batch["users"] == 32 and 0 < batch["expand_share"] < 1
     # each state token is 2 layers x (two uint16 indices + 2 fp16 user numbers at d_u 1)
