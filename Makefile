@@ -77,10 +77,11 @@ DEMO_DATA := $(OUT)/datasets/ml-latest-small
 demo: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m demo --out $(OUT)
 
-# everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm
+# everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm (all in
+# tests/test_vllm.py: naming the file spares that run importing every other test module)
 test: $(STAMP) $(VLLM_STAMP) redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
-	$(VLLM_PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS)
 
 # the inner loop: no Ray, no training (the slow tier is every test that starts a Ray)
 test-fast: $(STAMP) redis-server

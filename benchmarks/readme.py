@@ -193,6 +193,30 @@ def state_store() -> list[str]:
         "are acknowledged, 64 clients share commits (group commit). kill -9 hits the process "
         "that holds the data: the writer for sqlite (reopened), the server for redis "
         "(restarted, replaying its append-only file).",
+        "",
+        *store_end_to_end(),
+    ]
+
+
+def store_end_to_end() -> list[str]:
+    report = load("serve_load_store.json")
+    cells = []
+    for r in report["rows"]:
+        top = r["results"][-1]
+        cells.append(
+            f"{r['store_users']:,} users in the store: {top['candidate_scores_per_s']:,.0f} "
+            f"scores/s, p99 {top['p99_ms']:,.0f} ms, {top['errors']} errors"
+        )
+    ratio = report["largest_over_first_at_top_concurrency"]
+    top = report["rows"][0]["results"][-1]
+    return [
+        f"End to end (`benchmarks.serve_load --store-users`): `/v1/rank` at concurrency "
+        f"{top['concurrency']} ({report['candidates_per_request']} candidates, a random user "
+        f"each request, the embedded engine, {report['shards']} shards): "
+        + "; ".join(cells)
+        + f" - {ratio['scores_per_s']:.2f}x the scores/s and {ratio['p99_ms']:.2f}x the p99 "
+        "of the smallest store, in one run. Each stored user is a copy of one of "
+        "ml-latest-small's states.",
     ]
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import sys
 
 from benchmarks.report import machine, write
 from services.load import closed_loop
@@ -49,8 +51,22 @@ def main(argv: list[str] | None = None) -> None:
         default=0.25,
         help="CPUs reserved for the teacher replica (the defaults fit every replica in 2 CPUs)",
     )
+    p.add_argument(
+        "--store-users",
+        default=None,
+        help="store sizes to compare, e.g. 0,10000000: /v1/rank alone, the store holding that "
+        "many users (user u a copy of the manifest's (u mod n)-th user's state; 0: the "
+        "manifest's own users); writes benchmarks/results/serve_load_store.json",
+    )
+    p.add_argument(
+        "--store-dir",
+        default="out/bench/serve_load_store",
+        help="where --store-users builds its stores (about 1.4 kB a user)",
+    )
     p.add_argument("--out", default="benchmarks/results/serve_load.json")
     a = p.parse_args(argv)
+    if a.store_users is not None:
+        return store_sizes(a)
     manifest, table = states.read_states(a.manifest_uri)
     items = storage.read_table(manifest["dataset_uri"], "items.parquet", columns=["item_id"])
     item_ids = items.column("item_id").to_pylist()
@@ -123,6 +139,117 @@ def main(argv: list[str] | None = None) -> None:
     if a.teacher:
         summary["mis_over_teacher"] = report["mis_over_teacher_scores_per_s"]
     print(json.dumps(summary))
+
+
+def fill_store(manifest_uri: str, store_uri: str, shards: int, users: int) -> dict:
+    """Load ``users`` users into a fresh store at ``store_uri`` as the app would have loaded
+    the manifest (its meta names the manifest, so the app opens it as it is): user u holds the
+    packed state of the manifest's (u mod n)-th user."""
+    import time
+
+    from artifacts import states, storage
+    from artifacts.state_store import open_store
+
+    manifest, table = states.read_states(manifest_uri)
+    layout = states.Layout.from_manifest(manifest)
+    packed = [states.pack(row, layout) for row in table.to_pylist()]
+    pinned = storage.resolve(manifest_uri)
+    t0, step = time.perf_counter(), 1_000_000
+
+    def rows(shard: int):
+        for u in range(shard, users, shards):
+            if u % step < shards:
+                print(f"store shard {shard}: filling from user {u:,} of {users:,}", file=sys.stderr)
+            yield u, packed[u % len(packed)]
+
+    for shard in range(shards):
+        store = open_store(store_uri, shard, writer=True)
+        try:
+            store.load(rows(shard), meta={"states": pinned})
+        finally:
+            store.close()
+    os.sync()  # the fill's dirty pages written back now, not during the measurement after it
+    return {
+        "fill_seconds": round(time.perf_counter() - t0, 1),
+        "mean_packed_bytes": round(sum(map(len, packed)) / len(packed)),
+    }
+
+
+def store_sizes(a) -> None:
+    """``--store-users``: /v1/rank at each store size, the same model, one Ray and one run."""
+    import shutil
+
+    import ray
+    from ray import serve
+
+    from artifacts import states, storage
+    from services.app import build_app
+    from services.settings import ServeSettings
+
+    manifest_uri = storage.absolute(a.manifest_uri)
+    manifest, table = states.read_states(manifest_uri)
+    items = storage.read_table(manifest["dataset_uri"], "items.parquet", columns=["item_id"])
+    item_ids = items.column("item_id").to_pylist()
+    own = table.column("user_id").to_pylist()
+    shards = ServeSettings(manifest_uri=manifest_uri).shards
+    levels = [int(c) for c in a.concurrency.split(",")]
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": a.port})
+    rows = []
+    for size in [int(x) for x in a.store_users.split(",")]:
+        store_uri = os.path.join(os.path.abspath(a.store_dir), f"users-{size}")
+        shutil.rmtree(store_uri, ignore_errors=True)
+        row = {"store_users": size or len(own)}
+        if size:
+            row |= fill_store(manifest_uri, store_uri, shards, size)
+        rng = random.Random(size)
+        # enough bodies that nearly every request asks for another user
+        bodies = [
+            {
+                "user_id": rng.randrange(size) if size else rng.choice(own),
+                "candidate_item_ids": rng.sample(item_ids, a.candidates),
+                "k": 10,
+            }
+            for _ in range(20_000)
+        ]
+        serve.run(
+            build_app({"manifest_uri": manifest_uri, "store_uri": store_uri}),
+            name="kvrank",
+            route_prefix="/",
+        )
+        url = f"http://127.0.0.1:{a.port}/v1/rank"
+        asyncio.run(closed_loop(url, bodies, 1, 2.0))  # warm-up
+        row["results"] = []
+        for c in levels:
+            r = asyncio.run(closed_loop(url, bodies, c, a.seconds))
+            row["results"].append(r)
+            print(f"store_users={row['store_users']}", json.dumps(r), flush=True)
+        row["store_bytes"] = sum(
+            os.path.getsize(os.path.join(store_uri, f)) for f in os.listdir(store_uri)
+        )
+        serve.delete("kvrank")
+        rows.append(row)
+    serve.shutdown()
+    ray.shutdown()
+    first, last = rows[0]["results"][-1], rows[-1]["results"][-1]
+    ratio = {
+        "scores_per_s": round(last["candidate_scores_per_s"] / first["candidate_scores_per_s"], 3),
+        "p99_ms": round(last["p99_ms"] / first["p99_ms"], 3),
+    }
+    write(
+        "benchmarks/results/serve_load_store.json",
+        {
+            "benchmark": "serve_load_store",
+            "manifest_uri": a.manifest_uri,
+            "candidates_per_request": a.candidates,
+            "seconds_per_level": a.seconds,
+            "shards": shards,
+            "rows": rows,
+            "largest_over_first_at_top_concurrency": ratio,
+            "machine": machine(),
+        },
+    )
+    print(json.dumps({"benchmark": "serve_load_store", "largest_over_first": ratio}))
 
 
 def _ratios(results: dict, other: str, levels: list[int]) -> dict[str, float]:

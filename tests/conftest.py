@@ -16,10 +16,19 @@ from pipelines.common import sources
 RAY_FIXTURES = {"ray_local", "ray_cluster", "tiny_trained"}
 
 
+# `make test` runs the vLLM tests in .venv-vllm from this one file alone
+VLLM_TESTS = "test_vllm.py"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("vllm") and item.path.name != VLLM_TESTS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: vLLM tests belong in tests/{VLLM_TESTS} (make test runs only it "
+                "in .venv-vllm)"
+            )
 
 
 @pytest.fixture(scope="session")

@@ -62,3 +62,33 @@ def test_state_store_benchmark_measures_both_engines_and_keeps_other_rows(tmp_pa
         assert r["packed_bytes_per_user"] == 1054 and r["disk_bytes_per_user"] > 0
     assert rows[2]["memory_bytes_per_user"] > rows[2]["packed_bytes_per_user"]
     assert not (tmp_path / "scratch" / "sqlite-3000").exists()  # the scratch data is removed
+
+
+def test_serve_load_fills_a_store_the_app_opens_as_it_is(tiny_trained, tmp_path):
+    """``serve_load --store-users``: the filled store names the manifest it stands for, so a
+    store shard opens it without loading the manifest again, and user u is the manifest's
+    (u mod n)-th user under its own id."""
+    from artifacts import states
+    from benchmarks.serve_load import fill_store
+    from services.store import ShardStore
+
+    manifest_uri = tiny_trained["states"]["user_states"]
+    _, table = states.read_states(manifest_uri)
+    rows = table.to_pylist()
+    store_uri, users = str(tmp_path / "store"), 1_000
+    figures = fill_store(manifest_uri, store_uri, shards=2, users=users)
+    assert figures["mean_packed_bytes"] > 0
+    for shard in (0, 1):
+        store = ShardStore(manifest_uri, store_uri, shard, 2)
+        try:
+            assert store.writer.stats()["users"] == users // 2  # not the manifest's 40 again
+            for u in (shard, shard + 2 * 321, users - 2 + shard):
+                version, got = store.get(u)
+                want = rows[u % len(rows)]
+                assert version == 1 and got["user_id"] == u
+                assert {k: v for k, v in got.items() if k != "user_id"} == {
+                    k: v for k, v in want.items() if k in got and k != "user_id"
+                }
+            assert store.get(users + shard) is None
+        finally:
+            store.close()
