@@ -19,16 +19,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
-    """``conf``: a redis.conf whose persistence settings replace the fsync-always default."""
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"no {name} on the PATH: `make redis-server` installs Debian's package")
+    return path
 
-    def __init__(self, folder, conf: str | None = None, timeout_s: float = 30.0) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            raise RuntimeError(
-                "no redis-server on the PATH: `make redis-server` installs Debian's package"
-            )
+
+class RedisServer:
+    """``conf``: a redis.conf whose persistence settings replace the fsync-always default;
+    ``args``: more server options (a cluster node's)."""
+
+    def __init__(
+        self, folder, conf: str | None = None, timeout_s: float = 30.0, args: tuple = ()
+    ) -> None:
+        self.binary = binary("redis-server")
         self.folder, self.port, self.conf = os.path.abspath(folder), free_port(), conf
+        self.args = list(args)
+        os.makedirs(self.folder, exist_ok=True)
         self.start(timeout_s)
 
     def start(self, timeout_s: float = 30.0) -> float:
@@ -38,7 +46,7 @@ class RedisServer:
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.folder]
         if not self.conf:
             args += ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
-        args += ["--logfile", os.path.join(self.folder, "redis.log")]
+        args += ["--logfile", os.path.join(self.folder, "redis.log"), *self.args]
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([self.binary, *([self.conf] if self.conf else []), *args])
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
@@ -73,3 +81,54 @@ class RedisServer:
     def uri(self, prefix: str | None = None) -> str:
         """A store URI on this server; a fresh key prefix unless one is given."""
         return f"redis://127.0.0.1:{self.port}/0?prefix={prefix or uuid.uuid4().hex[:10]}"
+
+
+class RedisCluster:
+    """A real Redis Cluster on 127.0.0.1: ``masters`` servers in cluster mode (each with its
+    append-only file fsynced on every write), the 16,384 slots spread over them by
+    ``redis-cli --cluster create``; ready when every node reports ``cluster_state:ok``."""
+
+    def __init__(self, folder, masters: int = 3, timeout_s: float = 30.0) -> None:
+        import redis
+
+        folder = os.path.abspath(folder)
+        self.nodes = [
+            RedisServer(
+                os.path.join(folder, f"node-{i}"),
+                timeout_s=timeout_s,
+                # the bus port named: by default it is the port + 10,000, past 65,535 for many
+                args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+                + ("--cluster-port", str(free_port())),
+            )
+            for i in range(masters)
+        ]
+        try:
+            subprocess.run(
+                [binary("redis-cli"), "--cluster", "create"]
+                + [f"127.0.0.1:{n.port}" for n in self.nodes]
+                + ["--cluster-replicas", "0", "--cluster-yes"],
+                check=True,
+                capture_output=True,
+                timeout=timeout_s,
+            )
+            t0 = time.perf_counter()
+            for n in self.nodes:
+                client = redis.Redis(host="127.0.0.1", port=n.port)
+                while client.cluster("info").get("cluster_state") != "ok":
+                    if time.perf_counter() - t0 > timeout_s:
+                        raise TimeoutError(f"Redis Cluster not ready after {timeout_s} s")
+                    time.sleep(0.05)
+                client.close()
+        except BaseException:
+            self.kill()
+            raise
+
+    def uri(self, prefix: str | None = None) -> str:
+        """A store URI on the cluster (any node is an entry point); a fresh key prefix."""
+        port = self.nodes[0].port
+        return f"redis://127.0.0.1:{port}/0?cluster=1&prefix={prefix or uuid.uuid4().hex[:10]}"
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            if n.proc.poll() is None:
+                n.kill()

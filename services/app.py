@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 import time
 from typing import Annotated
 
@@ -224,7 +225,12 @@ class Ranker:
             item_prior_uri=s.item_prior_uri,
             item_prior_weight=s.item_prior_weight,
             slack_items=s.state_slack_items,
+            follow_vectors=s.item_vectors_poll_s > 0,
         )
+        if s.item_vectors_poll_s > 0:
+            threading.Thread(
+                target=self._follow_vectors, args=(s.item_vectors_poll_s,), daemon=True
+            ).start()
         self.rank.set_max_batch_size(s.batch_max_size)
         self.rank.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.scored = Counter("kvrank_candidates_scored", description="candidate scores computed")
@@ -252,6 +258,21 @@ class Ranker:
         self.seconds.observe(t["score_s"], tags={"stage": "score"})
         self.scored.inc(sum(len(c) for c in cands))
         return out
+
+    def _follow_vectors(self, every_s: float) -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                newest = self.engine.follow_vectors()
+            except Exception as e:  # a version that does not fit: keep serving the last one
+                log.warning("item vectors not followed, %s still served: %s", self.vectors(), e)
+                continue
+            if newest:
+                log.info("item table now from %s", newest)
+
+    def vectors(self) -> str | None:
+        """The item vectors this replica scores with."""
+        return self.engine.vectors_uri
 
     def extend(self, row: dict, vid: int, feedback: int) -> dict:
         return self.engine.extend(row, vid, feedback)
@@ -352,14 +373,25 @@ async def limit_body(request: Request, call_next):
     return await call_next(request)
 
 
+NOT_LOADED = object()  # a shard the ingress cannot read itself (yet): its deployment answers
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
     def __init__(self, settings: dict, ranker, *stores) -> None:
+        from artifacts import states, storage
+
         self.s = ServeSettings(**settings)
         self.catalog = Catalog.load(self.s.manifest_uri)
         self.ranker = ranker
         self.stores = list(stores)
+        # state reads go straight to the engine (services.store.ShardReader), once a shard's
+        # writer has loaded it; events still go through the shard's deployment (one writer)
+        self.layout = states.Layout.from_manifest(storage.read_marker(self.s.manifest_uri))
+        self.store_uri = self.s.resolved_store_uri()
+        self.readers: dict = {}
+        self.readers_lock = threading.Lock()
         self.counts = {"rank_requests": 0, "candidates": 0, "events": 0, "rejected": 0}
         self.started = time.time()
 
@@ -404,9 +436,36 @@ class Ingress:
         if req.k > self.s.max_k:
             raise self._bad("k", f"k must be at most {self.s.max_k}, got {req.k}")
 
+    def _read(self, user_id: int):
+        """The user's (version, row) or None from the shard's reader; NOT_LOADED while the
+        shard cannot be read from here (its writer has not finished its first load, or an
+        embedded shard lives on another machine): asked again a second later. Blocking: call
+        it off the event loop."""
+        from services.store import ShardReader
+
+        shard = user_id % len(self.stores)
+        with self.readers_lock:
+            reader = self.readers.get(shard)
+            if reader is None or (isinstance(reader, float) and reader <= time.monotonic()):
+                reader = ShardReader.open_loaded(
+                    self.store_uri,
+                    shard,
+                    self.layout,
+                    cache_mib=self.s.store_cache_mib,
+                    redis_fsync=self.s.redis_fsync,
+                )
+                self.readers[shard] = reader or time.monotonic() + 1.0
+            if reader is None or isinstance(reader, float):
+                return NOT_LOADED
+        return reader.get(user_id)
+
     async def _row(self, user_id: int) -> tuple[dict, bool]:
         """The user's stored state row, or an empty one (and False) for an unknown user."""
-        row = await self._store(user_id).get.remote(user_id)
+        got = await asyncio.to_thread(self._read, user_id)
+        if got is NOT_LOADED:
+            row = await self._store(user_id).get.remote(user_id)
+        else:
+            row = None if got is None else got[1]
         if row is not None:
             return row, True
         return await self.ranker.empty_state.remote(user_id), False
@@ -445,6 +504,7 @@ class Ingress:
             "uptime_s": round(time.time() - self.started, 1),
             "feedback_classes": self.catalog.feedback_classes,
             "ingress": dict(self.counts),
+            "item_vectors": await self.ranker.vectors.remote(),  # of one Ranker replica
             "store": {
                 "shards": shards,
                 "users": sum(s["users"] for s in shards),

@@ -33,6 +33,7 @@ class RankEngine:
         item_prior_uri: str | None = None,
         item_prior_weight: float = 0.0,
         slack_items: int = 50,
+        follow_vectors: bool = False,
     ) -> None:
         from artifacts.data import load_ranker
 
@@ -40,9 +41,16 @@ class RankEngine:
         if self.manifest.get("kind") != "user_states":
             raise ValueError(f"{manifest_uri} is not a user_states folder")
         self.device = torch.device(device)
+        # the item vectors the states were built with; following, the newest version of their
+        # folder (re-encoded texts score at once; the states keep what they were built from)
+        self.vectors_uri = self.manifest.get("vectors_uri")
+        if follow_vectors and self.vectors_uri:
+            self.vectors_uri = storage.resolve(storage.root_of(self.vectors_uri))
         self.model, ranker_marker, self.max_len = load_ranker(
-            self.manifest["checkpoint"], self.manifest.get("vectors_uri")
+            self.manifest["checkpoint"], self.vectors_uri
         )
+        self.n_items = int(ranker_marker["n_items"])
+        self.follow = bool(follow_vectors and self.vectors_uri and self.model.cfg.reads_vectors)
         self.model.to(self.device).eval()
         self.slack_items = slack_items
         self.prior, self.prior_weight = None, item_prior_weight
@@ -54,6 +62,24 @@ class RankEngine:
         self.layout = states.Layout.of(cfg)
         self.last_timings = {"expand_s": 0.0, "score_s": 0.0}
         self._empty = self._prefill_rows([-1], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)])[0]
+
+    def follow_vectors(self) -> str | None:
+        """With ``follow_vectors``: swap in the item table of a version of the item vectors
+        published since the last call (``encode_items`` re-encoding changed texts). Returns the
+        version now served when it changed, else None. A version that does not fit this ranker
+        raises and leaves the table being served as it was."""
+        from artifacts.data import item_table
+
+        if not self.follow:
+            return None
+        newest = storage.resolve(storage.root_of(self.vectors_uri))
+        if newest == self.vectors_uri:
+            return None
+        table, _ = item_table(newest, self.n_items)
+        # one reference swap: a forward running meanwhile reads the old table or the new one
+        self.model.set_item_table(table)
+        self.vectors_uri = newest
+        return newest
 
     # -- state rows <-> caches
 

@@ -73,6 +73,12 @@ class ServeSettings:
         256, "rank requests queued at the ingress for the rankers beyond those they hold; then 503"
     )
     retry_after_s: int = option(1, "the Retry-After seconds of an overload answer (503)")
+    item_vectors_poll_s: float = option(
+        60.0,
+        "seconds between a Ranker replica's checks for a newer version of the item vectors its "
+        "states were built with (encode_items re-encoding changed texts): it is scored from at "
+        "once, without a restart; 0: serve the states' version only",
+    )
     item_prior_uri: str | None = option(
         None,
         "with a user_states manifest: an item prior (fit_item_prior) fused into every ranking, "
@@ -103,6 +109,8 @@ class ServeSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.item_vectors_poll_s < 0:
+            raise InputError(f"item_vectors_poll_s must be >= 0, got {self.item_vectors_poll_s}")
         if self.state_slack_items < 0:
             raise InputError(f"state_slack_items must be >= 0, got {self.state_slack_items}")
         from artifacts.redis_store import FSYNC

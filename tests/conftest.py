@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from benchmarks.redis_server import RedisServer, free_port
+from benchmarks.redis_server import RedisCluster, RedisServer, free_port
 from pipelines.common import sources
 
 # the slow tier: every test that starts a Ray (embedded or a cluster) or needs the tiny trained
@@ -84,12 +84,22 @@ def redis_server(tmp_path_factory):
     server.kill()
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real three-master Redis Cluster on 127.0.0.1."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.kill()
+
+
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
 def store_uri(request, tmp_path) -> str:
-    """A fresh store of each engine: a local folder, or a fresh key prefix on the Redis server."""
+    """A fresh store of each engine: a local folder, or a fresh key prefix on the Redis server
+    or on the Redis Cluster."""
     if request.param == "sqlite":
         return str(tmp_path / "store")
-    return request.getfixturevalue("redis_server").uri()
+    server = {"redis": "redis_server", "redis-cluster": "redis_cluster"}[request.param]
+    return request.getfixturevalue(server).uri()
 
 
 @pytest.fixture()

@@ -9,6 +9,7 @@ import itertools
 import time
 
 import httpx
+import pyarrow as pa
 import pytest
 import torch
 
@@ -119,6 +120,74 @@ def test_the_full_forward_baseline_app_ranks_as_the_ranker_from_the_same_state(s
         assert post(served, f"{ROUTE_PREFIX}/v1/rank_teacher", body).status_code == 404
     finally:
         serve.delete(APP_NAME)
+
+
+def test_the_ranker_follows_a_newly_published_item_vectors_version(tmp_path):
+    """A text ranker's replica engine (item_vectors_poll_s > 0): a new version of the vectors
+    folder its states were built with (two items' texts re-encoded: here their vectors
+    swapped) is scored from after one check, as a fresh engine over that version scores; a
+    version that does not fit the ranker is refused and the last one kept; an engine not
+    following keeps the states' version."""
+    import io
+    import json
+
+    from models.errors import InputError
+    from services.engine import RankEngine
+    from tests.test_ranker import CKV_MODES, N_ITEMS, tiny_ranker
+
+    model = tiny_ranker(CKV_MODES["collective_kv"])
+    table = torch.randn(N_ITEMS, model.cfg.item_dim)
+
+    def publish(folder: str, meta: dict, files: dict) -> str:
+        pub = storage.Publication(str(tmp_path / folder))
+        for name, data in files.items():
+            pub.put_bytes(name, data) if isinstance(data, bytes) else pub.put_table(name, data)
+        return pub.publish(meta)["uri"]
+
+    def vectors(t: torch.Tensor) -> str:
+        rows = pa.table({"vid": list(range(len(t))), "vector": t.tolist()})
+        return publish("vectors", {"dim": t.shape[1]}, {"vectors.parquet": rows})
+
+    first = vectors(table)
+    weights = io.BytesIO()
+    torch.save(model.state_dict(), weights)
+    checkpoint = publish(
+        "checkpoint",
+        {"n_items": N_ITEMS, "vectors_uri": first},
+        {
+            "model.pt": weights.getvalue(),
+            "ranker.json": model.cfg.to_json().encode(),
+            "train.json": json.dumps({"max_len": 10}).encode(),
+        },
+    )
+    manifest = {"kind": "user_states", "checkpoint": checkpoint, "vectors_uri": first}
+    states_uri = str(tmp_path / "states")
+    publish("states", manifest, {})
+
+    engine = RankEngine(states_uri, follow_vectors=True)
+    row = engine.empty_state(7)
+    for vid, fb in [(1, 0), (2, 3), (3, 1)]:
+        row = engine.extend(row, vid, fb)
+
+    def rank(e: RankEngine):
+        ((top, scores),) = e.rank([row], [[4, 5, 6, 8]], [4])
+        return dict(zip(top, scores, strict=True))
+
+    before = rank(engine)
+    assert engine.follow_vectors() is None and engine.vectors_uri == first
+    swapped = table.clone()
+    swapped[[4, 5]] = table[[5, 4]]
+    second = vectors(swapped)
+    assert engine.follow_vectors() == second
+    after = rank(engine)
+    assert after == pytest.approx(rank(RankEngine(states_uri, follow_vectors=True)), abs=1e-6)
+    assert after[4] != pytest.approx(before[4], abs=1e-4)  # the re-encoded items score anew
+    assert after[6] == pytest.approx(before[6], abs=1e-6)  # the others as before
+    assert rank(RankEngine(states_uri)) == pytest.approx(before, abs=1e-6)  # not following
+    vectors(torch.randn(N_ITEMS, model.cfg.item_dim + 1))  # another encoder's width
+    with pytest.raises((InputError, ValueError), match="item table must be"):
+        engine.follow_vectors()
+    assert engine.vectors_uri == second and rank(engine) == pytest.approx(after, abs=1e-6)
 
 
 def engine_vids(states_uri: str) -> dict[int, int]:

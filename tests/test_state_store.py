@@ -103,6 +103,31 @@ def test_a_second_writer_fences_the_first(store_uri):
     assert open_store(store_uri, 1).stats()["writer_epoch"] == 1
 
 
+def test_the_ingress_reads_a_shard_only_once_its_writer_has_loaded_it(store_uri):
+    """services.store.ShardReader: none before the writer's load finishes (reads then go to
+    the shard's deployment), no embedded shard file made where there is none, then the
+    writer's committed rows, events included."""
+    from services.store import ShardReader
+
+    model = tiny_ckv_ranker()
+    layout = states.Layout.of(model.cfg)
+    rows = rows_of(model, [[1, 2, 3], [4, 5]])
+    assert ShardReader.open_loaded(store_uri, 0, layout) is None
+    if not store_uri.startswith("redis"):
+        assert not os.path.exists(store_uri)  # nothing created on a machine without the shard
+    writer = open_store(store_uri, 0)
+    writer.load([(r["user_id"], states.pack(r, layout)) for r in rows])  # no meta: unfinished
+    assert ShardReader.open_loaded(store_uri, 0, layout) is None
+    writer.load([(r["user_id"], states.pack(r, layout)) for r in rows], meta={"states": "v1"})
+    reader = ShardReader.open_loaded(store_uri, 0, layout)
+    assert reader.get(0) == (1, rows[0]) and reader.get(7) is None
+    grown = rows_of(model, [[1, 2, 3], [4, 5, 6]])[1]
+    writer.commit([write(1, 1, states.pack(grown, layout), vid=6)])
+    assert reader.get(1) == (2, grown)  # the writer's commit, seen without reopening
+    reader.close()
+    writer.close()
+
+
 def test_events_arriving_together_share_one_commit(store_uri):
     """64 events submitted at once: every one applied and acknowledged, in far fewer
     commits (each one fsync) than events."""
@@ -153,6 +178,36 @@ def test_every_key_of_a_redis_shard_hashes_to_one_cluster_slot():
     assert parse_uri("redis://h:1/0?prefix=p&cluster=1") == ("redis://h:1/0", "p", True)
     with pytest.raises(ValueError, match="unknown option"):
         parse_uri("redis://h:1/0?pool=3")
+
+
+def test_a_real_redis_cluster_spreads_the_shards_over_its_nodes(redis_cluster):
+    """Six shards on a three-master Redis Cluster: each shard's keys live on one node, the
+    shards on every node, an event on each is one script on its node, and the store lists
+    every shard and its history back from the whole cluster."""
+    import redis
+
+    from artifacts.state_store import read_history, store_shards
+
+    uri = redis_cluster.uri()
+    prefix = uri.rsplit("prefix=", 1)[1]
+    for shard in range(6):
+        store = open_store(uri, shard)
+        store.load([(shard, b"s"), (shard + 6, b"t")], meta={"states": f"v{shard}"})
+        (out,) = store.commit([write(shard, 1, b"s2", key=f"e{shard}", vid=shard + 1)])
+        assert out.status == "applied"
+        store.close()
+    holders = []
+    for node in redis_cluster.nodes:
+        client = redis.Redis(host="127.0.0.1", port=node.port)
+        keys = [k.decode() for k in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        holders.append({int(k.split("{", 1)[1].split("}", 1)[0]) for k in keys})
+        client.close()
+    assert sorted(s for held in holders for s in held) == list(range(6))  # one node each
+    assert all(holders), holders  # and every node holds some
+    assert store_shards(uri) == list(range(6))
+    history = read_history(uri)
+    assert [h[0] for h in history] == [f"v{s}" for s in range(6)]
+    assert [[e[:2] for e in h[1]] for h in history] == [[(s, s + 1)] for s in range(6)]
 
 
 def test_a_killed_redis_server_keeps_every_acknowledged_event(redis_server):
