@@ -40,11 +40,13 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from artifacts.states import row_nbytes
+from services import auth
 from services.settings import ServeSettings
 
 log = logging.getLogger("kvrank.serve")
 
 BODY_LIMIT_ENV = "KVRANK_MAX_BODY_BYTES"
+TOKENS_ENV = "KVRANK_API_TOKENS_FILE"
 # ids are int64 everywhere (datasets, states, the store): larger ones are refused at the door
 ID_MAX = 2**63 - 1
 
@@ -373,6 +375,38 @@ async def limit_body(request: Request, call_next):
     return await call_next(request)
 
 
+_tokens: dict[str, auth.Tokens] = {}  # per tokens file, in this replica
+
+
+@app.middleware("http")
+async def authorize(request: Request, call_next):
+    """With a tokens file (api_tokens_file), every /v1/ route wants a bearer token with its
+    scope (services.auth): 401 without a valid one, 403 without the scope; bodies say no more."""
+    path = os.environ.get(TOKENS_ENV)
+    need = auth.scope_of(request.url.path, request.scope.get("root_path", "")) if path else None
+    if need is None:
+        return await call_next(request)
+    tokens = _tokens.get(path) or _tokens.setdefault(path, auth.Tokens(path))
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    held = tokens.scopes(token.strip()) if scheme.lower() == "bearer" and token else None
+    if held is None:
+        return JSONResponse(
+            status_code=401,
+            content={"detail": "unauthorized"},
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if need not in held[0]:
+        return JSONResponse(status_code=403, content={"detail": "forbidden"})
+    return await call_next(request)
+
+
+def serve_http_host() -> str:
+    """The host Serve's HTTP proxies listen on (http_options.host)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().http_config.host
+
+
 NOT_LOADED = object()  # a shard the ingress cannot read itself (yet): its deployment answers
 
 
@@ -383,6 +417,9 @@ class Ingress:
         from artifacts import states, storage
 
         self.s = ServeSettings(**settings)
+        auth.check_exposure(serve_http_host(), self.s.api_tokens_file)
+        if self.s.api_tokens_file:
+            _tokens[self.s.api_tokens_file] = auth.Tokens(self.s.api_tokens_file)  # or refuse
         self.catalog = Catalog.load(self.s.manifest_uri)
         self.ranker = ranker
         self.stores = list(stores)
@@ -537,12 +574,16 @@ def build_app(args: dict):
         ).bind(conf, i, ranker)
         for i in range(s.shards)
     ]
+    # Serve pickles ``app`` into the replica: its middleware reads these settings from the env
+    env = {BODY_LIMIT_ENV: str(s.max_body_bytes)}
+    if s.api_tokens_file:
+        env[TOKENS_ENV] = s.api_tokens_file
     return Ingress.options(
         max_ongoing_requests=s.ingress_max_ongoing_requests,
         max_queued_requests=s.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=s.retry_after_s),
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
-            "runtime_env": {"env_vars": {BODY_LIMIT_ENV: str(s.max_body_bytes)}},
+            "runtime_env": {"env_vars": env},
         },
     ).bind(conf, ranker, *stores)

@@ -36,6 +36,11 @@ class ServeSettings:
         "'always' (no acknowledged event lost), 'everysec' (up to a second of them on a crash), "
         "or 'server' (leave the server's own persistence settings, e.g. a managed service)",
     )
+    api_tokens_file: str | None = option(
+        None,
+        "a file of API token hashes and their scopes (read, write, admin; services.auth), read "
+        "again when it changes; none: the API is open, allowed on a loopback HTTP host only",
+    )
     shards: int = option(2, "UserStateStore shards; a user lives in shard user_id % shards")
     store_cache_mib: int = option(
         64, "MiB of page cache per store shard: its memory, whatever the number of users"

@@ -275,3 +275,34 @@ def test_engine_vllm_without_vllm_says_how_to_get_it(tiny, capsys):
     err = capsys.readouterr().err
     assert "--engine vllm needs vLLM" in err and "make vllm-env" in err
     assert not storage.exists(storage.join(tiny["out"], "item_vectors"))
+
+
+def test_a_checkpoint_changed_after_publishing_is_refused_at_load(tmp_path):
+    """A ranker checkpoint whose weights were swapped after publishing (same size: only the
+    sha256 tells) is refused before torch reads a byte of it; and torch reads weights only."""
+    import io
+    import json
+
+    import torch
+
+    from artifacts.data import load_checkpoint
+    from tests.test_ranker import N_ITEMS, tiny_ranker
+
+    model = tiny_ranker(item_input="id")
+    weights = io.BytesIO()
+    torch.save(model.state_dict(), weights)
+    pub = storage.Publication(str(tmp_path / "checkpoint"))
+    pub.put_bytes("model.pt", weights.getvalue())
+    pub.put_bytes("ranker.json", model.cfg.to_json().encode())
+    pub.put_bytes("train.json", json.dumps({"max_len": 10}).encode())
+    folder = storage.root_of(pub.publish({"n_items": N_ITEMS})["uri"])
+    loaded, _ = load_checkpoint(folder)
+    pairs = zip(loaded.state_dict().values(), model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    path = os.path.join(storage.resolve(folder), "model.pt")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(storage.IncompleteError, match="model.pt does not match the sha256"):
+        load_checkpoint(folder)

@@ -16,11 +16,19 @@ import torch
 from artifacts import states, storage
 from artifacts.prior import read_prior
 from pipelines import fit_item_prior
+from services import auth
 from tests.conftest import free_port
 
 PRIOR_WEIGHT = 0.5  # the served score: ranker + 0.5 x the item-to-item prior
 RANKER_HOLDS = 2  # the Ranker's max_ongoing_requests, and as many queued at the ingress
 MAX_LEN, SLACK = 10, 3  # the tiny ranker's window; a state is rebuilt past 13 history items
+# the app's API tokens (services.auth): one with every scope, one per scope
+TOKENS = {
+    "all": "t-all-6f1d0c",
+    "read": "t-read-93be2a",
+    "write": "t-write-5c07e1",
+    "admin": "t-admin-0a4f9d",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +45,17 @@ def served(tmp_path_factory, tiny_trained, redis_server):
     )["out"]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    tokens = d / "tokens"
+    tokens.write_text(
+        "# hash, scopes, name\n"
+        + "".join(
+            f"{auth.digest(t)} {'read,write,admin' if n == 'all' else n} {n}\n"
+            for n, t in TOKENS.items()
+        )
+    )
     settings = {
         "manifest_uri": built["user_states"],
+        "api_tokens_file": str(tokens),
         # the events this module sends, on the Redis server (the embedded engine serves the
         # cluster tests: tests/test_ray_job.py); the states stay shared
         "store_uri": redis_server.uri(),
@@ -58,14 +75,22 @@ def served(tmp_path_factory, tiny_trained, redis_server):
     serve.shutdown()
 
 
-def post(served, path: str, body=None, **kw) -> httpx.Response:
-    return httpx.post(served["url"] + path, json=body, timeout=60, **kw)
+def post(served, path: str, body=None, token: str = TOKENS["all"], **kw) -> httpx.Response:
+    return httpx.post(served["url"] + path, json=body, timeout=60, headers=bearer(token), **kw)
+
+
+def get(url: str, token: str = TOKENS["all"], **kw) -> httpx.Response:
+    return httpx.get(url, headers=bearer(token), **kw)
+
+
+def bearer(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def test_rank_matches_scoring_the_stored_state(served):
     from services.engine import RankEngine
 
-    assert httpx.get(served["url"] + "/healthz").json() == {"status": "ok"}
+    assert get(served["url"] + "/healthz").json() == {"status": "ok"}
     manifest, table = states.read_states(served["states"])
     row = table.to_pylist()[3]
     engine = RankEngine(served["states"])
@@ -196,6 +221,83 @@ def engine_vids(states_uri: str) -> dict[int, int]:
     return dict(zip(*items.select(["item_id", "vid"]).to_pydict().values(), strict=True))
 
 
+def test_each_route_wants_its_scope_and_refusals_say_nothing_more(served):
+    """No token or a wrong one: 401 (with WWW-Authenticate); a token without the route's scope:
+    403; the scope's token: served. /healthz and the OpenAPI schema stay open."""
+    url = served["url"]
+    rank = ("POST", "/v1/rank", {"user_id": 1, "candidate_item_ids": [1, 2], "k": 1})
+    event = ("POST", "/v1/events", {"user_id": 2**40, "item_id": 3})  # a user of its own
+    routes = [
+        (*rank, "read"),
+        (*event, "write"),
+        ("GET", "/v1/users/1", None, "admin"),
+        ("GET", "/v1/stats", None, "admin"),
+        ("GET", "/v1/no-such-route", None, "admin"),  # unknown /v1/ paths: no enumeration
+    ]
+    for method, path, body, scope in routes:
+        for who, headers in [
+            ("none", {}),
+            ("wrong", bearer("not-a-token")),
+            ("basic", {"Authorization": f"Basic {TOKENS['all']}"}),
+            *[(s, bearer(TOKENS[s])) for s in ("read", "write", "admin")],
+        ]:
+            r = httpx.request(method, url + path, json=body, headers=headers, timeout=60)
+            if who == scope:
+                assert r.status_code == (404 if "no-such" in path else 200), (path, who, r.text)
+            elif who in ("none", "wrong", "basic"):
+                assert (r.status_code, r.json()) == (401, {"detail": "unauthorized"}), (path, who)
+                assert r.headers["www-authenticate"] == "Bearer"
+            else:
+                assert (r.status_code, r.json()) == (403, {"detail": "forbidden"}), (path, who)
+    assert httpx.get(url + "/healthz").status_code == 200
+    assert httpx.get(url + "/openapi.json").status_code == 200
+
+
+def test_tokens_are_made_checked_and_refused_as_the_operators_guide_says(tmp_path, capsys):
+    """``python -m services.auth new`` makes a token and its line; a tokens file is read again
+    when it changes (a rotation) and a bad edit keeps the last good set; an open API on a
+    non-loopback host is refused."""
+    from models.errors import InputError
+
+    assert auth.main(["new", "--scopes", "read,write", "--name", "web"]) == 0
+    out, err = capsys.readouterr()
+    token = err.strip().rsplit(" ", 1)[1]
+    assert out.strip() == f"{auth.digest(token)} read,write web"
+    path = tmp_path / "tokens"
+    path.write_text(out)
+    tokens = auth.Tokens(str(path))
+    assert tokens.scopes(token) == (frozenset({"read", "write"}), "web")
+    assert tokens.scopes(token + "x") is None and tokens.scopes("") is None
+    assert auth.main(["new", "--scopes", "read,root"]) == 2
+    assert "scopes must be among read, write, admin, got 'read,root'" in capsys.readouterr().err
+    # rotation: the new token's line in, the old one's out; the file is read again
+    assert auth.main(["new", "--scopes", "admin"]) == 0
+    new_out, new_err = capsys.readouterr()
+    path.write_text(new_out + "# rotated\n")
+    new_token = new_err.strip().rsplit(" ", 1)[1]
+    assert tokens.scopes(token) is None
+    assert tokens.scopes(new_token) == (frozenset({"admin"}), "line 1")
+    path.write_text("deadbeef read\n")  # a bad edit: the last good set stays
+    assert tokens.scopes(new_token) == (frozenset({"admin"}), "line 1")
+    with pytest.raises(InputError, match="line 1: the first field must be a token's sha256"):
+        auth.Tokens(str(path))
+    for host in ("127.0.0.1", "::1", "localhost"):
+        auth.check_exposure(host, None)
+    auth.check_exposure("0.0.0.0", str(path))
+    for host in ("0.0.0.0", "10.1.2.3", "kvrank.internal"):
+        with pytest.raises(InputError, match=f"Serve listens on '{host}' and no api_tokens_file"):
+            auth.check_exposure(host, None)
+    assert [auth.scope_of(p) for p in ("/healthz", "/docs", "/v1/rank", "/v1/users/3")] == [
+        None,
+        None,
+        "read",
+        "admin",
+    ]
+    assert auth.scope_of("/v1/rankings") == "admin" and auth.scope_of("/api/v1/rank", "/api") == (
+        "read"
+    )
+
+
 def test_unknown_user_ranks_from_an_empty_history(served):
     r = post(served, "/v1/rank", {"user_id": 10**9, "candidate_item_ids": [1, 2, 3], "k": 10})
     assert r.status_code == 200, r.text
@@ -244,12 +346,12 @@ def test_bad_rank_requests_get_a_4xx_naming_the_field(served, body, field):
 def test_boundary_inputs_get_a_422_naming_the_field(served, path, body, field):
     """The eight inputs that once answered 500 (feedback past the model's classes, ids past
     int64) and their neighbours: each a 422 naming its field, nothing stored."""
-    before = httpx.get(f"{served['url']}/v1/users/1").json()
+    before = get(f"{served['url']}/v1/users/1").json()
     r = post(served, path, body)
     assert r.status_code == 422, r.text
     assert field in str(r.json()["detail"])
-    assert httpx.get(f"{served['url']}/v1/users/1").json() == before
-    assert httpx.get(f"{served['url']}/v1/users/{2**64}").status_code == 422
+    assert get(f"{served['url']}/v1/users/1").json() == before
+    assert get(f"{served['url']}/v1/users/{2**64}").status_code == 422
 
 
 def test_unknown_candidates_are_skipped_and_listed_when_asked(served):
@@ -272,7 +374,7 @@ def test_a_burst_past_the_queues_gets_503_with_retry_after_and_the_rest_are_serv
     body = {"user_id": 3, "candidate_item_ids": list(range(1, 41)), "k": 5}
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60, headers=bearer(TOKENS["read"])) as client:
             calls = [client.post(served["url"] + "/v1/rank", json=body) for _ in range(64)]
             return await asyncio.gather(*calls)
 
@@ -288,7 +390,7 @@ def test_malformed_and_oversized_bodies(served):
     r = httpx.post(
         served["url"] + "/v1/rank",
         content=b"{not json",
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", **bearer(TOKENS["read"])},
     )
     assert r.status_code == 422
     big = {"user_id": 1, "candidate_item_ids": [1], "k": 1, "pad": "x" * 5000}
@@ -301,11 +403,11 @@ def test_events_are_durable_across_a_killed_store_replica(served):
     import ray
 
     user = 4  # shard 0 of 2
-    before = httpx.get(f"{served['url']}/v1/users/{user}").json()
+    before = get(f"{served['url']}/v1/users/{user}").json()
     for item, fb in ((7, 4), (12, 2), (33, 0), (9, 3)):
         r = post(served, "/v1/events", {"user_id": user, "item_id": item, "feedback": fb})
         assert r.status_code == 200, r.text
-    after = httpx.get(f"{served['url']}/v1/users/{user}").json()
+    after = get(f"{served['url']}/v1/users/{user}").json()
     assert after["history_length"] == before["history_length"] + 4
     assert after["state_bytes"] > before["state_bytes"]
     new_user = post(served, "/v1/events", {"user_id": 10**6, "item_id": 3}).json()
@@ -320,7 +422,7 @@ def test_events_are_durable_across_a_killed_store_replica(served):
     deadline = time.time() + 120
     while True:  # Serve replaces the replica; it reopens the shard's database
         try:
-            got = httpx.get(f"{served['url']}/v1/users/{user}", timeout=10)
+            got = get(f"{served['url']}/v1/users/{user}", timeout=10)
             if got.status_code == 200:
                 break
         except httpx.HTTPError:
@@ -328,15 +430,15 @@ def test_events_are_durable_across_a_killed_store_replica(served):
         assert time.time() < deadline, "the store shard did not come back"
         time.sleep(1)
     assert got.json() == after
-    assert httpx.get(f"{served['url']}/v1/users/{10**6}").json()["history_length"] == 1
-    stats = httpx.get(served["url"] + "/v1/stats").json()
+    assert get(f"{served['url']}/v1/users/{10**6}").json()["history_length"] == 1
+    stats = get(served["url"] + "/v1/stats").json()
     assert stats["store"]["users"] >= 41
 
 
 def test_an_event_sent_again_with_its_id_is_applied_once(served):
     user = 6
     body = {"event_id": "client-42", "user_id": user, "item_id": 5, "feedback": 1}
-    before = httpx.get(f"{served['url']}/v1/users/{user}").json()["history_length"]
+    before = get(f"{served['url']}/v1/users/{user}").json()["history_length"]
     first = post(served, "/v1/events", body)
     assert first.status_code == 200 and not first.json()["duplicate"]
     again = post(served, "/v1/events", body)  # the client's retry
@@ -344,7 +446,7 @@ def test_an_event_sent_again_with_its_id_is_applied_once(served):
     assert {k: v for k, v in again.json().items() if k != "duplicate"} == {
         k: v for k, v in first.json().items() if k != "duplicate"
     }
-    assert httpx.get(f"{served['url']}/v1/users/{user}").json()["history_length"] == before + 1
+    assert get(f"{served['url']}/v1/users/{user}").json()["history_length"] == before + 1
 
 
 def test_a_state_is_rebuilt_from_the_newest_items_past_its_ceiling(served):
@@ -412,7 +514,9 @@ def test_fuzzing_the_openapi_schema_gives_no_server_errors(served):
             )
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case):
-                response = case.call(base_url=served["url"], timeout=60)
+                response = case.call(
+                    base_url=served["url"], timeout=60, headers=bearer(TOKENS["all"])
+                )
                 calls.append(response.status_code)
                 assert response.status_code < 500, (
                     case.method,
@@ -438,7 +542,7 @@ def test_killed_ranker_and_store_replicas_under_load(served):
 
     url = served["url"]
     user = 2  # shard 0
-    events_before = httpx.get(f"{url}/v1/stats").json()["store"]["events"]
+    events_before = get(f"{url}/v1/stats").json()["store"]["events"]
     acked: list[int] = []
     ranked: list[int] = []
     first_failures: list[str] = []
@@ -448,7 +552,7 @@ def test_killed_ranker_and_store_replicas_under_load(served):
     def call(path: str, body: dict) -> bool:
         for attempt in range(20):  # the client's retry policy: back off, try again
             try:
-                r = httpx.post(url + path, json=body, timeout=30)
+                r = httpx.post(url + path, json=body, timeout=30, headers=bearer(TOKENS["all"]))
                 if r.status_code == 200:
                     return True
             except httpx.HTTPError:
@@ -499,7 +603,7 @@ def test_killed_ranker_and_store_replicas_under_load(served):
     assert len(first_failures) <= 40, first_failures  # in flight during the kills, bounded
     # exactly once: the store applied each acknowledged event once - retries of an event whose
     # answer was lost with a killed replica included - and has every one of them
-    events_after = httpx.get(f"{url}/v1/stats").json()["store"]["events"]
+    events_after = get(f"{url}/v1/stats").json()["store"]["events"]
     assert events_after - events_before == len(acked)
     for n in acked[-20:]:
         again = post(
