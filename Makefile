@@ -7,6 +7,10 @@
 # requirements-vllm.lock: its pins (transformers < 5.20, numpy 2.3, fastapi < 0.137) the main
 # environment does not share, so the --engine vllm paths and their tests run there.
 
+# Ray's token authentication stays as Ray 2.60 sets it: on for every local Ray these targets
+# start (in-process, dashboard off), the token in ~/.ray/auth_token. The app's HTTP API is on
+# 127.0.0.1 (infra/serve_config.yaml): open there, refused elsewhere without api_tokens_file.
+
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -75,7 +79,7 @@ DEMO_DATA := $(OUT)/datasets/ml-latest-small
 # CollectiveKV pools -> build user states -> evaluate them -> serve them (one user's top 10,
 # a short load); tables and plots in out/reports/demo/
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m demo --out $(OUT)
+	$(PY) -m demo --out $(OUT)
 
 # everything in .venv (the vLLM tests skip there), then the vLLM tests in .venv-vllm (all in
 # tests/test_vllm.py: naming the file spares that run importing every other test module)
@@ -97,7 +101,7 @@ bench: $(STAMP)
 # row: benchmarks/results/quality_<dataset>.json; then python -m benchmarks.readme
 RECIPE ?= configs/ml-latest-small.yaml
 quality: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.quality --config $(RECIPE) --out $(OUT)
+	$(PY) -m benchmarks.quality --config $(RECIPE) --out $(OUT)
 
 # the CollectiveKV sweep (M x d_u, int8 and low-rank baselines) on the demo's trained ranker
 kv-sweep: $(STAMP)
@@ -107,17 +111,17 @@ kv-sweep: $(STAMP)
 # the Serve app on 127.0.0.1:8000 serving what the demo evaluated: its states, prior and
 # fusion weight (make demo first)
 serve: $(STAMP)
-	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run --address local infra/serve_config.yaml
+	$(VENV)/bin/serve run --address local infra/serve_config.yaml
 
 # HTTP load on the Serve app vs the full-forward baseline, over the demo's user states
 serve-load: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m benchmarks.serve_load \
+	$(PY) -m benchmarks.serve_load \
 		--manifest-uri $(OUT)/user_states/ml-latest-small-ckv
 
 # the same, plus the full-text teacher served by vLLM with prefix caching (train_teacher first)
 TEACHER ?= $(OUT)/teachers/ml-latest-small-teacher
 serve-load-teacher: $(VLLM_STAMP)
-	RAY_AUTH_MODE=disabled $(VLLM_PY) -m benchmarks.serve_load \
+	$(VLLM_PY) -m benchmarks.serve_load \
 		--manifest-uri $(OUT)/user_states/ml-latest-small-ckv --teacher $(TEACHER)
 
 lint: $(STAMP)

@@ -120,11 +120,14 @@ def ray_cluster():
     jobs go to it with ``ray job submit``, the app with ``serve deploy``. {"address": the
     dashboard's URL, "env": the environment its commands run with}.
 
-    Token auth is off for this throwaway cluster (Ray 2.60 turns it on by default). The cluster
+    Ray's token authentication is on (RAY_AUTH_MODE=token) with a fresh token, which "env"
+    carries to the operators' commands (``ray job submit``, ``serve deploy``) and "headers" to
+    HTTP calls of the dashboard's APIs; nothing reaches it without the token. The cluster
     runs in its own process group, so stopping it kills exactly its processes and never another
     Ray on this machine (``ray stop`` would kill them all); its workers exit with their raylets.
     """
     import json
+    import secrets
     import signal
     import subprocess
     import sys
@@ -133,9 +136,12 @@ def ray_cluster():
     from pipelines.common import ray_runtime
 
     bindir = os.path.dirname(sys.executable)
+    token = secrets.token_hex(32)
+    headers = {"Authorization": f"Bearer {token}"}
     env = dict(
         os.environ,
-        RAY_AUTH_MODE="disabled",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
         PATH=f"{bindir}:{os.environ.get('PATH', '')}",
         # Ray Train's controller polls as on the embedded Ray (ray_runtime.EMBEDDED_TRAIN_POLL_S)
         RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=ray_runtime.EMBEDDED_TRAIN_POLL_S,
@@ -164,7 +170,7 @@ def ray_cluster():
         # submit job"): wait until a trivial job has been accepted and has finished.
         from ray.job_submission import JobSubmissionClient
 
-        client = JobSubmissionClient(address)
+        client = JobSubmissionClient(address, headers=headers)
         deadline = time.time() + 120
         while True:
             try:
@@ -176,7 +182,7 @@ def ray_cluster():
                 time.sleep(0.5)
         while not client.get_job_status(job).is_terminal():
             time.sleep(0.2)
-        yield {"address": address, "env": env}
+        yield {"address": address, "env": env, "headers": headers}
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import json
 import os
 import re
 import shlex
@@ -62,8 +63,14 @@ def test_cluster_launcher_config_passes_rays_validation():
     (gpu,) = [t for name, t in types.items() if name != filled["head_node_type"]]
     assert gpu["resources"]["GPU"] == 1
     assert 0 <= gpu["min_workers"] <= gpu["max_workers"] <= filled["max_workers"]
-    assert filled["file_mounts"] == {"~/kvrank": "."}  # the project is shipped to every node
+    # the project is shipped to every node, and the operator's Ray token
+    assert filled["file_mounts"] == {"~/kvrank": ".", "~/.ray/auth_token": "~/.ray/auth_token"}
     assert any("pip install" in c and "~/kvrank" in c for c in filled["setup_commands"])
+    # every node runs Ray with token authentication; the dashboard (Jobs API) on 127.0.0.1
+    starts = filled["head_start_ray_commands"] + filled["worker_start_ray_commands"]
+    assert [c for c in starts if "ray start" in c and "RAY_AUTH_MODE=token" not in c] == []
+    (head_start,) = [c for c in starts if "--head" in c]
+    assert "--dashboard-host=127.0.0.1" in head_start
 
 
 @pytest.mark.parametrize(
@@ -122,13 +129,148 @@ def test_rayservice_serves_the_serve_config_with_only_the_production_changes():
     app["args"]["store_uri"] = theirs["applications"][0]["args"]["store_uri"]
     assert app["args"]["store_uri"] == f"redis://{redis_service()}:6379/0"
     ours["http_options"]["host"] = "0.0.0.0"  # reachable from the Kubernetes service
+    # and so behind API tokens: the Secret's file, mounted on every pod of the cluster
+    app["args"]["api_tokens_file"] = "/etc/kvrank/api-tokens/tokens"
     ranker = app["deployments"][0]
     ranker["ray_actor_options"]["num_gpus"] = 1.0  # a GPU per Ranker replica
     ranker["autoscaling_config"]["max_replicas"] = 8  # as many as the gpu group has pods
     assert theirs == ours
-    # and it runs on the same cluster shape the jobs use
+    # and it runs on the same cluster shape the jobs use, as the serving identity, with the
+    # API tokens' Secret where api_tokens_file reads it
     (cluster,) = manifests("RayCluster").values()
-    assert service["spec"]["rayClusterConfig"] == cluster["spec"]
+    # (the files share lists through YAML anchors: each pod is rebuilt, not edited in place)
+    serving = copy.deepcopy(service["spec"]["rayClusterConfig"])
+    for pod in pod_specs(serving):
+        assert pod.pop("serviceAccountName") == "kvrank-serve"
+        (tokens,) = [v for v in pod["volumes"] if v["name"] == "api-tokens"]
+        assert tokens["secret"] == {"secretName": "kvrank-api-tokens"}
+        pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "api-tokens"]
+        for c in pod["containers"]:
+            (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-tokens"]
+            assert mount["readOnly"] is True
+            assert app["args"]["api_tokens_file"].startswith(mount["mountPath"] + "/")
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "api-tokens"]
+    jobs = copy.deepcopy(cluster["spec"])
+    assert {p.pop("serviceAccountName") for p in pod_specs(jobs)} == {"kvrank-jobs"}
+    assert serving == jobs
+
+
+def pod_specs(cluster_spec: dict) -> list[dict]:
+    """The pod specs of a RayCluster spec: the head's and every worker group's."""
+    groups = [cluster_spec["headGroupSpec"], *cluster_spec.get("workerGroupSpecs", [])]
+    return [g["template"]["spec"] for g in groups]
+
+
+def security_docs() -> dict[tuple[str, str], dict]:
+    with open(os.path.join(REPO, "infra", "security.yaml")) as f:
+        return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(f)}
+
+
+def every_pod() -> dict[str, dict]:
+    """Every pod spec the deployment files define, by where it is."""
+    pods = {}
+    for name, doc in manifests("RayCluster").items():
+        pods |= {f"{name} pod {i}": p for i, p in enumerate(pod_specs(doc["spec"]))}
+    for name, doc in manifests("RayService").items():
+        pods |= {
+            f"{name} pod {i}": p for i, p in enumerate(pod_specs(doc["spec"]["rayClusterConfig"]))
+        }
+    for name, doc in manifests("RayJob").items():
+        pods[f"{name} submitter"] = doc["spec"]["submitterPodTemplate"]["spec"]
+    pods["redis"] = redis_manifests()["StatefulSet"]["spec"]["template"]["spec"]
+    return pods
+
+
+def test_every_pod_runs_unprivileged_on_a_read_only_root_without_static_keys():
+    for where, pod in every_pod().items():
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0, where
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"] == {"drop": ["ALL"]}, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            # what such a container writes goes to its volumes: Ray's session files in /tmp
+            mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+            volumes = {v["name"] for v in pod.get("volumes", [])}
+            assert set(mounts) <= volumes | {"data"}, where  # redis: its volume claim
+            if "ray" in c["name"] or c["name"] == "submitter":
+                assert mounts["tmp"] == "/tmp", where
+            # no credentials in the pods: cloud identities through the service accounts
+            assert "envFrom" not in c, where
+            names = {e["name"] for e in c.get("env", [])}
+            assert not names & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}, where
+    with open(os.path.join(REPO, "infra", "Dockerfile")) as f:
+        assert "AWS_" not in f.read()
+
+
+def test_jobs_and_serving_run_as_their_own_cloud_identities():
+    docs = security_docs()
+    for who in ("kvrank-jobs", "kvrank-serve"):
+        account = docs[("ServiceAccount", who)]
+        role = account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+        assert role.endswith(f":role/{who}"), role
+    (cluster,) = manifests("RayCluster").values()
+    (service,) = manifests("RayService").values()
+    assert {p["serviceAccountName"] for p in pod_specs(cluster["spec"])} == {"kvrank-jobs"}
+    serving = pod_specs(service["spec"]["rayClusterConfig"])
+    assert {p["serviceAccountName"] for p in serving} == {"kvrank-serve"}
+    for name, doc in manifests("RayJob").items():  # submitters hold no cloud identity
+        pod = doc["spec"]["submitterPodTemplate"]["spec"]
+        assert "serviceAccountName" not in pod, name
+        assert pod["automountServiceAccountToken"] is False, name
+
+
+def test_every_cluster_wants_rays_token_and_only_named_pods_reach_the_jobs_api():
+    (cluster,) = manifests("RayCluster").values()
+    (service,) = manifests("RayService").values()
+    specs = [cluster["spec"], service["spec"]["rayClusterConfig"]]
+    assert [s["authOptions"] for s in specs] == [
+        {"mode": "token", "secretName": "kvrank-ray-token"}
+    ] * 2
+    for name, doc in manifests("RayJob").items():
+        pod = doc["spec"]["submitterPodTemplate"]
+        assert pod["metadata"]["labels"]["kvrank.io/ray-client"] == "true", name
+        (c,) = pod["spec"]["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", name
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "kvrank-ray-token", "key": "auth_token"}, name
+    # no Service, Ingress or host port takes the dashboard out of the cluster
+    for path in glob.glob(os.path.join(REPO, "infra", "**", "*.yaml"), recursive=True):
+        with open(path) as f:
+            for doc in yaml.safe_load_all(f):
+                if "kind" not in doc:  # infra/serve_config.yaml
+                    continue
+                exposed = doc["kind"] in ("Service", "Ingress")
+                assert not exposed or doc["metadata"]["name"] == "kvrank-redis", path
+                assert "LoadBalancer" not in json.dumps(doc) and "hostPort" not in json.dumps(doc)
+    policy = security_docs()[("NetworkPolicy", "kvrank-ray")]["spec"]
+    assert policy["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "kvrank"}}
+    by_port = {}
+    for rule in policy["ingress"]:
+        for port in rule.get("ports", [{"port": "any"}]):
+            by_port.setdefault(port["port"], []).extend(rule["from"])
+    # the dashboard: the KubeRay operator and labelled Ray clients only; HTTP: the ingress
+    assert by_port[8265] == [
+        {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+        },
+        {"podSelector": {"matchLabels": {"kvrank.io/ray-client": "true"}}},
+    ]
+    assert by_port[8000] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    ]
+    assert by_port["any"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvrank"}}}
+    ]
+    for doc in (cluster, service):  # the policy selects every Ray pod
+        spec = doc["spec"].get("rayClusterConfig", doc["spec"])
+        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        for g in groups:
+            assert g["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "kvrank"
 
 
 # ----------------------------------------------------------------------------- the store's Redis

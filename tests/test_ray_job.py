@@ -40,13 +40,17 @@ def job_summary(proc: subprocess.CompletedProcess, job: str) -> dict:
 
 
 def nodes_of(cluster: dict, class_part: str) -> set[str]:
-    """The nodes that ran actors whose class name holds ``class_part`` (alive or finished)."""
-    from ray.util.state import list_actors
-
-    found = list_actors(
-        address=cluster["address"], detail=True, limit=10_000, raise_on_missing_output=False
+    """The nodes that ran actors whose class name holds ``class_part`` (alive or finished), from
+    the dashboard's State API (with the cluster's token)."""
+    r = httpx.get(
+        f"{cluster['address']}/api/v0/actors",
+        params={"detail": "true", "limit": 10_000},
+        headers=cluster["headers"],
+        timeout=30,
     )
-    return {a.node_id for a in found if class_part in (a.class_name or "") and a.node_id}
+    assert r.status_code == 200, r.text[-2000:]
+    found = r.json()["data"]["result"]["result"]
+    return {a["node_id"] for a in found if class_part in (a.get("class_name") or "")}
 
 
 def test_prepare_data_as_a_ray_job(ray_cluster, data_dir, tmp_path):
@@ -66,6 +70,24 @@ def test_failed_ray_job_reports_the_error(ray_cluster, tmp_path):
     proc = submit(ray_cluster, "--dataset", "no-such-set", "--out", str(tmp_path))
     assert proc.returncode != 0
     assert "unknown dataset 'no-such-set'" in proc.stdout + proc.stderr
+
+
+def test_the_cluster_refuses_whoever_lacks_its_token(ray_cluster):
+    """Ray's token authentication on the head (the other tests here submit with the token):
+    ``ray job submit`` with another token or none is refused, and so is the Jobs API over
+    HTTP without the bearer token."""
+    cmd = [os.path.join(BIN, "ray"), "job", "submit", "--address", ray_cluster["address"]]
+    cmd += ["--", "echo", "ran"]
+    wrong = dict(ray_cluster["env"], RAY_AUTH_TOKEN="0" * 64)
+    none = {k: v for k, v in ray_cluster["env"].items() if k != "RAY_AUTH_TOKEN"}
+    for env in (wrong, none):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "ran" not in proc.stdout, out[-2000:]
+        assert "Unauthorized" in out or "authentication" in out.lower(), out[-2000:]
+    url = f"{ray_cluster['address']}/api/jobs/"
+    assert httpx.get(url, timeout=30).status_code in (401, 403)
+    assert httpx.get(url, headers=ray_cluster["headers"], timeout=30).status_code == 200
 
 
 def test_encode_items_as_a_ray_job_spreads_its_actors_over_the_nodes(
@@ -179,7 +201,11 @@ def test_the_app_deployed_with_serve_deploy_ranks_across_nodes(ray_cluster, chai
             except httpx.HTTPError:
                 pass
             # the Serve REST API that `serve status` reads: a failed deployment ends the wait
-            apps = httpx.get(f"{ray_cluster['address']}/api/serve/applications/", timeout=10)
+            apps = httpx.get(
+                f"{ray_cluster['address']}/api/serve/applications/",
+                headers=ray_cluster["headers"],
+                timeout=10,
+            )
             assert "DEPLOY_FAILED" not in apps.text, apps.text[-3000:]
             assert time.time() < deadline, "the app never became healthy: " + apps.text[-3000:]
             time.sleep(0.5)
