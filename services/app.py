@@ -70,6 +70,19 @@ class RankRequest(BaseModel):
     )
 
 
+class RecommendRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: StrictInt = Field(
+        ge=0,
+        le=ID_MAX,
+        description="a user id (int64); unknown users get recommendations from no history",
+    )
+    k: StrictInt = Field(default=10, ge=1, description="how many of the best to return")
+    exclude_seen: bool = Field(
+        default=True, description="leave out the items already in the user's history"
+    )
+
+
 class ScoredItem(BaseModel):
     item_id: int
     score: float
@@ -233,8 +246,10 @@ class Ranker:
             threading.Thread(
                 target=self._follow_vectors, args=(s.item_vectors_poll_s,), daemon=True
             ).start()
-        self.rank.set_max_batch_size(s.batch_max_size)
-        self.rank.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
+        self.retrieve = s.recommend_candidates
+        for batched in (self.rank, self.recommend):
+            batched.set_max_batch_size(s.batch_max_size)
+            batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.scored = Counter("kvrank_candidates_scored", description="candidate scores computed")
         self.batch_size = Histogram(
             "kvrank_batch_size",
@@ -260,6 +275,13 @@ class Ranker:
         self.seconds.observe(t["score_s"], tags={"stage": "score"})
         self.scored.inc(sum(len(c) for c in cands))
         return out
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def recommend(self, requests: list[tuple[dict, int, bool]]) -> list:
+        rows, ks, exclude = zip(*requests, strict=True)
+        return await asyncio.to_thread(
+            self.engine.recommend, list(rows), list(ks), self.retrieve, list(exclude)
+        )
 
     def _follow_vectors(self, every_s: float) -> None:
         while True:
@@ -429,7 +451,13 @@ class Ingress:
         self.store_uri = self.s.resolved_store_uri()
         self.readers: dict = {}
         self.readers_lock = threading.Lock()
-        self.counts = {"rank_requests": 0, "candidates": 0, "events": 0, "rejected": 0}
+        self.counts = {
+            "rank_requests": 0,
+            "recommend_requests": 0,
+            "candidates": 0,
+            "events": 0,
+            "rejected": 0,
+        }
         self.started = time.time()
 
     def _bad(self, field: str, message: str) -> HTTPException:
@@ -461,6 +489,19 @@ class Ingress:
         self.counts["rank_requests"] += 1
         self.counts["candidates"] += len(vids)
         return self.catalog.response(req.user_id, row, known, top_vids, scores, unknown)
+
+    @app.post("/v1/recommend", response_model=RankResponse)
+    async def recommend(self, req: RecommendRequest) -> RankResponse:
+        """The user's best k items of the whole catalog: the ``recommend_candidates`` items
+        the user vector (and the prior) retrieve, ranked with the full score."""
+        if req.k > self.s.max_k:
+            raise self._bad("k", f"k must be at most {self.s.max_k}, got {req.k}")
+        row, known = await self._row(req.user_id)
+        top_vids, scores = await answer(
+            self.ranker.recommend.remote((row, req.k, req.exclude_seen)), self.s.retry_after_s
+        )
+        self.counts["recommend_requests"] += 1
+        return self.catalog.response(req.user_id, row, known, top_vids, scores, [])
 
     def _check(self, req: RankRequest) -> None:
         n = len(req.candidate_item_ids)

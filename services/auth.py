@@ -6,8 +6,9 @@ in a tokens file, one line per token::
 
     <sha256 hex of the token> <scopes, comma-separated> [a name for the logs]
 
-Scopes: ``read`` (``POST /v1/rank``), ``write`` (``POST /v1/events``), ``admin`` (every other
-``/v1/`` route: ``/v1/users/{id}``, ``/v1/stats``). ``/healthz`` and the OpenAPI pages stay open.
+Scopes: ``read`` (``POST /v1/rank``, ``POST /v1/recommend``), ``write`` (``POST /v1/events``),
+``admin`` (every other ``/v1/`` route: ``/v1/users/{id}``, ``/v1/stats``). ``/healthz`` and the
+OpenAPI pages stay open.
 ``python -m services.auth new --scopes read,write --name web`` makes a token: the token on
 stderr (give it to the client), its line on stdout (append it to the file). The file is read
 again whenever it changes, so adding a line and removing the old one rotates a token without a
@@ -35,7 +36,12 @@ log = logging.getLogger("kvrank.auth")
 
 SCOPES = ("read", "write", "admin")
 # the scope of a path: the first prefix it starts with; other /v1/ paths need admin
-ROUTE_SCOPES = (("/v1/rank", "read"), ("/v1/events", "write"), ("/v1/", "admin"))
+ROUTE_SCOPES = (
+    ("/v1/rank", "read"),
+    ("/v1/recommend", "read"),
+    ("/v1/events", "write"),
+    ("/v1/", "admin"),
+)
 
 
 def scope_of(path: str, root_path: str = "") -> str | None:

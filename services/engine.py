@@ -50,6 +50,7 @@ class RankEngine:
             self.manifest["checkpoint"], self.vectors_uri
         )
         self.n_items = int(ranker_marker["n_items"])
+        self._catalog = None  # every item's candidate token, for recommend (per item table)
         self.follow = bool(follow_vectors and self.vectors_uri and self.model.cfg.reads_vectors)
         self.model.to(self.device).eval()
         self.slack_items = slack_items
@@ -78,6 +79,7 @@ class RankEngine:
         table, _ = item_table(newest, self.n_items)
         # one reference swap: a forward running meanwhile reads the old table or the new one
         self.model.set_item_table(table)
+        self._catalog = None
         self.vectors_uri = newest
         return newest
 
@@ -119,6 +121,39 @@ class RankEngine:
         for i, (c, k) in enumerate(zip(candidates, ks, strict=True)):
             top = torch.topk(scores[i, : len(c)], min(k, len(c)))
             out.append((cand[i, top.indices].tolist(), top.values.tolist()))
+        return out
+
+    @torch.no_grad()
+    def recommend(self, rows: list[Row], ks: list[int], retrieve: int, exclude_seen: list[bool]):
+        """Per user: (vids, scores) of the best k items of the whole catalog, best first, in two
+        stages. Retrieval: the ``retrieve`` items with the largest dot product of the user
+        vector with their candidate token, plus the weighted prior when there is one - the
+        served score without the per-candidate head, one matrix product for the batch. Then
+        those are ranked with the full score (``rank``). With ``exclude_seen`` the user's
+        history items are left out. ``retrieve`` >= the catalog makes it exact."""
+        cache = self._cache(rows)
+        if self._catalog is None:
+            self._catalog = self.model.catalog_tokens().float()
+        approx = self.model.user_vector(cache).float() @ self._catalog.T  # (B, n_items)
+        hists = [torch.as_tensor(r["hist"], dtype=torch.long) for r in rows]
+        if self.prior is not None:
+            approx += self.prior_weight * self.prior.scores(hists).to(approx.device)
+        for i, h in enumerate(hists):
+            if exclude_seen[i] and len(h):
+                approx[i, h.to(approx.device)] = float("-inf")
+        top = approx.topk(min(retrieve, self.n_items), dim=1)
+        candidates = [
+            idx[torch.isfinite(val)].tolist()
+            for idx, val in zip(top.indices.cpu(), top.values.cpu(), strict=True)
+        ]
+        keep = [i for i, c in enumerate(candidates) if c]  # a user who has seen everything
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
+        if keep:
+            ranked = self.rank(
+                [rows[i] for i in keep], [candidates[i] for i in keep], [ks[i] for i in keep]
+            )
+            for i, r in zip(keep, ranked, strict=True):
+                out[i] = r
         return out
 
     @torch.no_grad()

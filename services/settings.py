@@ -51,6 +51,11 @@ class ServeSettings:
         "newest max_len (what the ranker was trained on; a memory ceiling per user)",
     )
     max_candidates: int = option(2048, "candidates per /v1/rank request at most")
+    recommend_candidates: int = option(
+        500,
+        "items /v1/recommend retrieves from the whole catalog by the user vector (and the "
+        "prior) and then ranks with the full score; at least the catalog's size: exact",
+    )
     max_k: int = option(1000, "k per request at most")
     max_body_bytes: int = option(1 << 20, "request body bytes at most")
     # ranker replicas: stateless, autoscaled on ongoing requests
@@ -98,6 +103,7 @@ class ServeSettings:
             "shards",
             "store_cache_mib",
             "max_candidates",
+            "recommend_candidates",
             "max_k",
             "max_body_bytes",
             "ranker_min_replicas",

@@ -147,48 +147,58 @@ def test_the_full_forward_baseline_app_ranks_as_the_ranker_from_the_same_state(s
         serve.delete(APP_NAME)
 
 
+class TextRankerStates:
+    """A tiny text ranker's published artifacts, made without a training run: its item vectors
+    (``vectors(table)`` publishes a new version), its checkpoint and a user_states manifest
+    naming them (``uri``); the engine builds the users' states itself (``extend``)."""
+
+    def __init__(self, tmp_path) -> None:
+        import io
+        import json
+
+        from tests.test_ranker import CKV_MODES, N_ITEMS, tiny_ranker
+
+        self.tmp_path, self.n_items = tmp_path, N_ITEMS
+        self.model = tiny_ranker(CKV_MODES["collective_kv"])
+        self.table = torch.randn(N_ITEMS, self.model.cfg.item_dim)
+        self.first = self.vectors(self.table)
+        weights = io.BytesIO()
+        torch.save(self.model.state_dict(), weights)
+        checkpoint = self.publish(
+            "checkpoint",
+            {"n_items": N_ITEMS, "vectors_uri": self.first},
+            {
+                "model.pt": weights.getvalue(),
+                "ranker.json": self.model.cfg.to_json().encode(),
+                "train.json": json.dumps({"max_len": 10}).encode(),
+            },
+        )
+        manifest = {"kind": "user_states", "checkpoint": checkpoint, "vectors_uri": self.first}
+        self.uri = str(tmp_path / "states")
+        self.publish("states", manifest, {})
+
+    def publish(self, folder: str, meta: dict, files: dict) -> str:
+        pub = storage.Publication(str(self.tmp_path / folder))
+        for name, data in files.items():
+            pub.put_bytes(name, data) if isinstance(data, bytes) else pub.put_table(name, data)
+        return pub.publish(meta)["uri"]
+
+    def vectors(self, t: torch.Tensor) -> str:
+        rows = pa.table({"vid": list(range(len(t))), "vector": t.tolist()})
+        return self.publish("vectors", {"dim": t.shape[1]}, {"vectors.parquet": rows})
+
+
 def test_the_ranker_follows_a_newly_published_item_vectors_version(tmp_path):
     """A text ranker's replica engine (item_vectors_poll_s > 0): a new version of the vectors
     folder its states were built with (two items' texts re-encoded: here their vectors
     swapped) is scored from after one check, as a fresh engine over that version scores; a
     version that does not fit the ranker is refused and the last one kept; an engine not
     following keeps the states' version."""
-    import io
-    import json
-
     from models.errors import InputError
     from services.engine import RankEngine
-    from tests.test_ranker import CKV_MODES, N_ITEMS, tiny_ranker
 
-    model = tiny_ranker(CKV_MODES["collective_kv"])
-    table = torch.randn(N_ITEMS, model.cfg.item_dim)
-
-    def publish(folder: str, meta: dict, files: dict) -> str:
-        pub = storage.Publication(str(tmp_path / folder))
-        for name, data in files.items():
-            pub.put_bytes(name, data) if isinstance(data, bytes) else pub.put_table(name, data)
-        return pub.publish(meta)["uri"]
-
-    def vectors(t: torch.Tensor) -> str:
-        rows = pa.table({"vid": list(range(len(t))), "vector": t.tolist()})
-        return publish("vectors", {"dim": t.shape[1]}, {"vectors.parquet": rows})
-
-    first = vectors(table)
-    weights = io.BytesIO()
-    torch.save(model.state_dict(), weights)
-    checkpoint = publish(
-        "checkpoint",
-        {"n_items": N_ITEMS, "vectors_uri": first},
-        {
-            "model.pt": weights.getvalue(),
-            "ranker.json": model.cfg.to_json().encode(),
-            "train.json": json.dumps({"max_len": 10}).encode(),
-        },
-    )
-    manifest = {"kind": "user_states", "checkpoint": checkpoint, "vectors_uri": first}
-    states_uri = str(tmp_path / "states")
-    publish("states", manifest, {})
-
+    built = TextRankerStates(tmp_path)
+    states_uri, table, first, vectors = built.uri, built.table, built.first, built.vectors
     engine = RankEngine(states_uri, follow_vectors=True)
     row = engine.empty_state(7)
     for vid, fb in [(1, 0), (2, 3), (3, 1)]:
@@ -209,10 +219,74 @@ def test_the_ranker_follows_a_newly_published_item_vectors_version(tmp_path):
     assert after[4] != pytest.approx(before[4], abs=1e-4)  # the re-encoded items score anew
     assert after[6] == pytest.approx(before[6], abs=1e-6)  # the others as before
     assert rank(RankEngine(states_uri)) == pytest.approx(before, abs=1e-6)  # not following
-    vectors(torch.randn(N_ITEMS, model.cfg.item_dim + 1))  # another encoder's width
+    vectors(torch.randn(built.n_items, built.model.cfg.item_dim + 1))  # another encoder's width
     with pytest.raises((InputError, ValueError), match="item table must be"):
         engine.follow_vectors()
     assert engine.vectors_uri == second and rank(engine) == pytest.approx(after, abs=1e-6)
+
+
+def test_recommend_is_the_whole_catalog_ranked_and_retrieval_only_narrows_it(tmp_path):
+    """RankEngine.recommend: retrieving the whole catalog, its top k is the full score's top k
+    over every item the user has not seen (or every item); a short retrieval ranks only what
+    the user vector retrieved, with the same full score."""
+    from services.engine import RankEngine
+
+    built = TextRankerStates(tmp_path)
+    engine, n = RankEngine(built.uri), built.n_items
+    rows = [engine.empty_state(9)]
+    for user, hist in enumerate([[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], list(range(n - 2))]):
+        row = engine.empty_state(user)
+        for vid in hist:
+            row = engine.extend(row, vid, vid % 5)
+        rows.append(row)
+    got = engine.recommend(rows, [5] * 4, retrieve=n, exclude_seen=[True] * 4)
+    for row, (top, scores) in zip(rows, got, strict=True):
+        unseen = [v for v in range(n) if v not in set(row["hist"])]
+        ((want, want_scores),) = engine.rank([row], [unseen], [5])
+        assert top == want and scores == pytest.approx(want_scores, abs=1e-5)
+        assert not set(top) & set(row["hist"]) and len(top) == min(5, len(unseen))
+    (everything,) = engine.recommend(rows[2:3], [n], retrieve=n, exclude_seen=[False])
+    ((want, _),) = engine.rank(rows[2:3], [list(range(n))], [n])
+    assert everything[0] == want and len(everything[0]) == n
+    u = engine.model.user_vector(engine._cache(rows[2:3]))
+    dots = (u @ engine.model.catalog_tokens().T)[0]
+    dots[torch.as_tensor(rows[2]["hist"])] = float("-inf")
+    retrieved = set(dots.topk(8).indices.tolist())
+    ((top, scores),) = engine.recommend(rows[2:3], [8], retrieve=8, exclude_seen=[True])
+    ((want, want_scores),) = engine.rank(rows[2:3], [sorted(retrieved)], [8])
+    assert set(top) == retrieved and (top, scores) == (want, pytest.approx(want_scores))
+
+
+def test_recommend_over_http_ranks_the_users_unseen_catalog_with_the_prior(served):
+    """/v1/recommend (its retrieval covers this catalog: exact) equals ranking every item the
+    user has not seen with the served score (ranker + prior); it needs the read scope."""
+    from services.engine import RankEngine
+
+    _, table = states.read_states(served["states"])
+    row = table.to_pylist()[6]
+    assert get(f"{served['url']}/v1/users/{row['user_id']}").json()["history_length"] == len(
+        row["hist"]
+    )  # no events sent to this user by other tests
+    vid_of = engine_vids(served["states"])
+    item_of = {v: i for i, v in vid_of.items()}
+    engine = RankEngine(
+        served["states"], item_prior_uri=served["prior"], item_prior_weight=PRIOR_WEIGHT
+    )
+    unseen = [v for v in range(len(vid_of)) if v not in set(row["hist"])]
+    ((want, scores),) = engine.rank([row], [unseen], [7])
+    r = post(served, "/v1/recommend", {"user_id": row["user_id"], "k": 7})
+    assert r.status_code == 200, r.text
+    assert [x["item_id"] for x in r.json()["items"]] == [item_of[v] for v in want]
+    assert [x["score"] for x in r.json()["items"]] == pytest.approx(scores, abs=1e-5)
+    seen = {item_of[v] for v in row["hist"]}
+    all_items = post(served, "/v1/recommend", {"user_id": row["user_id"], "k": 1000})
+    assert len(all_items.json()["items"]) == len(unseen)
+    assert not {x["item_id"] for x in all_items.json()["items"]} & seen
+    body = {"user_id": row["user_id"], "k": 3}
+    assert post(served, "/v1/recommend", body, token=TOKENS["write"]).status_code == 403
+    assert post(served, "/v1/recommend", body | {"k": 0}).status_code == 422
+    unknown = post(served, "/v1/recommend", {"user_id": 10**12, "k": 3}).json()
+    assert not unknown["known_user"] and len(unknown["items"]) == 3
 
 
 def engine_vids(states_uri: str) -> dict[int, int]:
