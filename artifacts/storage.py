@@ -321,7 +321,7 @@ class Publication:
 
     def discard(self) -> None:
         """Remove this unpublished version (when the run gives up)."""
-        _remove_tree(self.uri)
+        remove_tree(self.uri)
 
     def _prune(self) -> None:
         fs, path = filesystem(join(self.folder, VERSIONS))
@@ -329,10 +329,11 @@ class Publication:
             names = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
             old = [n for n in names if n != self.version][: max(0, len(names) - KEEP_VERSIONS)]
             for name in old:
-                _remove_tree(join(self.folder, VERSIONS, name))
+                remove_tree(join(self.folder, VERSIONS, name))
 
 
-def _remove_tree(uri: str) -> None:
+def remove_tree(uri: str) -> None:
+    """Remove a folder and everything under it, if it is there (best effort)."""
     fs, path = filesystem(uri)
     with contextlib.suppress(Exception):
         if is_remote(uri):

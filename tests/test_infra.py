@@ -387,6 +387,7 @@ JOBS = [
     "fit_item_prior",
     "train_kv_pool",
     "build_user_states",
+    "recommend",
 ]
 
 

@@ -42,11 +42,19 @@ def map_with_rankers(
 
 
 def map_with_pool(
-    table: pa.Table, actor_cls: type, args, *, actors: int, batch_size: int, gpu: bool = False
+    table: pa.Table,
+    actor_cls: type,
+    args,
+    *,
+    actors: int,
+    batch_size: int,
+    gpu: bool = False,
+    batch_format: str = "numpy",
 ):
-    """``table`` mapped in numpy batches by a pool of ``actors`` ``actor_cls`` actors sharing
-    the cluster's CPUs (``ray_runtime.cpus_per_actor``), or with one GPU each (``gpu``), built
-    with ``args(threads)``; the table is pre-cut into blocks (see ``data.blocks``)."""
+    """``table`` mapped in batches (numpy, or ``batch_format``) by a pool of ``actors``
+    ``actor_cls`` actors sharing the cluster's CPUs (``ray_runtime.cpus_per_actor``), or with
+    one GPU each (``gpu``), built with ``args(threads)``; the table is pre-cut into blocks (see
+    ``data.blocks``)."""
     import ray
 
     from pipelines.common.ray_runtime import cpus_per_actor, init_ray
@@ -59,7 +67,7 @@ def map_with_pool(
         fn_constructor_args=args(max(1, int(cpus))),
         compute=ray.data.ActorPoolStrategy(size=actors),
         batch_size=batch_size,
-        batch_format="numpy",
+        batch_format=batch_format,
         num_cpus=cpus,
         num_gpus=1 if gpu else 0,
     )
