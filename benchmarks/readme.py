@@ -298,11 +298,66 @@ def gpu() -> list[str]:
     ]
 
 
+def recommend() -> list[str]:
+    r = load("recommend.json")
+    ex = r["exact"]
+    out = [
+        "| /v1/recommend, retrieval of | keeps of the exact top 10 | NDCG@10 / HR@10 as served "
+        "| the same, whole history left out | ms per user (CPU) |",
+        "|---|---|---|---|---|",
+        f"| the whole catalog ({r['catalog_items']:,} items: exact) | 100% | {ex['ndcg10']:.4f} / "
+        f"{ex['hr10']:.4f} | {ex['ndcg10_all_seen']:.4f} / {ex['hr10_all_seen']:.4f} | "
+        f"{ex['ms_per_user']:,.0f} |",
+    ]
+    for t in r["two_stage"]:
+        out.append(
+            f"| {t['retrieve']:,} items | {t['recall_of_exact_top10']:.1%} | {t['ndcg10']:.4f} / "
+            f"{t['hr10']:.4f} | {t['ndcg10_all_seen']:.4f} / {t['hr10_all_seen']:.4f} | "
+            f"{t['ms_per_user']:,.1f} |"
+        )
+    return out + [
+        "",
+        f"`benchmarks.recommend` over the {r['users']} test users of the served states (ranker "
+        f"+ prior at weight {r['prior_weight']:g}), in batches of 16 on this machine's CPU: "
+        "retrieval by the user vector plus the weighted prior, then the full score over what "
+        "it retrieved. As served, the history left out is what the state holds (the ranker's "
+        "window); with the whole history left out, the exact row is evaluate's full-catalog "
+        "figure for the served score.",
+    ]
+
+
+def ramp() -> list[str]:
+    r = load("serve_ramp.json")
+    s, cfg = r["summary"], r["settings"]
+    out = [
+        "| phase | clients | seconds | scores/s | p99 ms | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, ph in enumerate(s["phases"], 1):
+        out.append(
+            f"| {i} | {ph['concurrency']} | {ph['seconds']:.0f} | "
+            f"{ph['candidate_scores_per_s']:,.0f} | {ph['p99_ms']:,.0f} | {ph['errors']} |"
+        )
+    lo, hi = s["replicas_min_max"]
+    return out + [
+        "",
+        f"![the ramp](benchmarks/results/serve_ramp.png)\n\n`benchmarks.serve_ramp`: the "
+        f"Ranker between {cfg['ranker_min_replicas']} and {cfg['ranker_max_replicas']} "
+        f"replicas of {cfg['ranker_num_cpus']:g} CPU (target "
+        f"{cfg['ranker_target_ongoing_requests']:g} ongoing requests each, up after "
+        f"{cfg['ranker_upscale_delay_s']:g} s, down after {cfg['ranker_downscale_delay_s']:g} s "
+        f"below it) went from {lo} to {hi} replicas and back to {s['replicas_at_end']}; "
+        f"{s['requests']:,} requests, {s['errors']} failed.",
+    ]
+
+
 def render() -> str:
     sections = [
         ("### Quality", quality()),
         ("### CollectiveKV: the stored state and what it keeps", collective_kv() + [""] + grid()),
         ("### Serving throughput", serving()),
+        ("### Recommending from the whole catalog", recommend()),
+        ("### Autoscaling under a load ramp", ramp()),
         ("### State store", state_store()),
         ("### Scoring and encoding", scoring()),
         ("### The ranker replica on a GPU", gpu()),

@@ -79,7 +79,9 @@ class RecommendRequest(BaseModel):
     )
     k: StrictInt = Field(default=10, ge=1, description="how many of the best to return")
     exclude_seen: bool = Field(
-        default=True, description="leave out the items already in the user's history"
+        default=True,
+        description="leave out the items of the user's stored history (the newest items "
+        "their state holds: the ranker's window plus state_slack_items)",
     )
 
 
@@ -601,6 +603,8 @@ def build_app(args: dict):
             "min_replicas": s.ranker_min_replicas,
             "max_replicas": s.ranker_max_replicas,
             "target_ongoing_requests": s.ranker_target_ongoing_requests,
+            "upscale_delay_s": s.ranker_upscale_delay_s,
+            "downscale_delay_s": s.ranker_downscale_delay_s,
         },
         max_ongoing_requests=s.ranker_max_ongoing_requests,
         max_queued_requests=s.ranker_max_queued_requests,

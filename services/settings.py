@@ -62,6 +62,12 @@ class ServeSettings:
     ranker_min_replicas: int = option(1, "Ranker replicas at least")
     ranker_max_replicas: int = option(2, "Ranker replicas at most")
     ranker_target_ongoing_requests: float = option(16.0, "autoscaling target per replica")
+    ranker_upscale_delay_s: float = option(
+        30.0, "seconds the load must stay above the target before Ranker replicas are added"
+    )
+    ranker_downscale_delay_s: float = option(
+        600.0, "seconds the load must stay below the target before Ranker replicas are removed"
+    )
     ranker_max_ongoing_requests: int = option(64, "requests a Ranker replica holds at once")
     ranker_num_cpus: float = option(0.5, "CPUs per Ranker replica")
     ranker_num_gpus: float = option(0.0, "GPUs per Ranker replica (1 in production)")
@@ -120,6 +126,8 @@ class ServeSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be > 0, got {getattr(self, name)}")
+        if min(self.ranker_upscale_delay_s, self.ranker_downscale_delay_s) < 0:
+            raise InputError("ranker_upscale_delay_s and ranker_downscale_delay_s must be >= 0")
         if self.item_vectors_poll_s < 0:
             raise InputError(f"item_vectors_poll_s must be >= 0, got {self.item_vectors_poll_s}")
         if self.state_slack_items < 0:

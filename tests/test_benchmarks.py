@@ -92,3 +92,20 @@ def test_serve_load_fills_a_store_the_app_opens_as_it_is(tiny_trained, tmp_path)
             assert store.get(users + shard) is None
         finally:
             store.close()
+
+
+def test_the_ramp_timeline_bins_requests_and_replica_readings_by_second():
+    """benchmarks.serve_ramp's per-second rows: the phase's clients, the replicas the sampler
+    read last, the scores, p99 and failures of the requests that ended in that second."""
+    from benchmarks.serve_ramp import timeline
+
+    t0 = 1000.0
+    record = [(t0 + 0.2, 0.010, True), (t0 + 0.7, 0.030, True), (t0 + 1.5, 0.5, False)]
+    record += [(t0 + 2.1, 0.020, True)]
+    samples = [(t0 + 0.1, 1), (t0 + 1.9, 2)]
+    rows = timeline(record, samples, [(1, 2.0), (64, 5.0)], t0, n_cands=100)
+    assert [r["concurrency"] for r in rows] == [1, 1, 64]
+    assert [r["replicas"] for r in rows] == [1, 2, 2]
+    assert [r["scores_per_s"] for r in rows] == [200, 0, 100]
+    assert [r["errors"] for r in rows] == [0, 1, 0]
+    assert rows[0]["p99_ms"] == 29.8 and rows[1]["p99_ms"] is None

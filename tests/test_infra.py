@@ -112,6 +112,8 @@ def test_serve_config_is_valid_and_matches_the_typed_defaults():
         defaults.ranker_max_replicas,
     )
     assert auto["target_ongoing_requests"] == defaults.ranker_target_ongoing_requests
+    assert auto["upscale_delay_s"] == defaults.ranker_upscale_delay_s
+    assert auto["downscale_delay_s"] == defaults.ranker_downscale_delay_s
     assert ranker.ray_actor_options.num_cpus == defaults.ranker_num_cpus
 
 
