@@ -329,25 +329,23 @@ def recommend() -> list[str]:
 def ramp() -> list[str]:
     r = load("serve_ramp.json")
     s, cfg = r["summary"], r["settings"]
-    out = [
-        "| phase | clients | seconds | scores/s | p99 ms | errors |",
-        "|---|---|---|---|---|---|",
-    ]
-    for i, ph in enumerate(s["phases"], 1):
-        out.append(
-            f"| {i} | {ph['concurrency']} | {ph['seconds']:.0f} | "
-            f"{ph['candidate_scores_per_s']:,.0f} | {ph['p99_ms']:,.0f} | {ph['errors']} |"
-        )
+    phases = ", ".join(
+        f"{ph['concurrency']} client{'s' if ph['concurrency'] > 1 else ''} for "
+        f"{ph['seconds']:.0f} s: {ph['candidate_scores_per_s']:,.0f} scores/s, p99 "
+        f"{ph['p99_ms']:,.0f} ms"
+        for ph in s["phases"]
+    )
     lo, hi = s["replicas_min_max"]
-    return out + [
+    return [
+        "![the ramp](benchmarks/results/serve_ramp.png)",
         "",
-        f"![the ramp](benchmarks/results/serve_ramp.png)\n\n`benchmarks.serve_ramp`: the "
-        f"Ranker between {cfg['ranker_min_replicas']} and {cfg['ranker_max_replicas']} "
-        f"replicas of {cfg['ranker_num_cpus']:g} CPU (target "
-        f"{cfg['ranker_target_ongoing_requests']:g} ongoing requests each, up after "
-        f"{cfg['ranker_upscale_delay_s']:g} s, down after {cfg['ranker_downscale_delay_s']:g} s "
-        f"below it) went from {lo} to {hi} replicas and back to {s['replicas_at_end']}; "
-        f"{s['requests']:,} requests, {s['errors']} failed.",
+        f"`benchmarks.serve_ramp`: {phases}. The Ranker, between "
+        f"{cfg['ranker_min_replicas']} and {cfg['ranker_max_replicas']} replicas of "
+        f"{cfg['ranker_num_cpus']:g} CPU (target {cfg['ranker_target_ongoing_requests']:g} "
+        f"ongoing requests each, up after {cfg['ranker_upscale_delay_s']:g} s, down after "
+        f"{cfg['ranker_downscale_delay_s']:g} s below it), went from {lo} to {hi} replicas and "
+        f"back to {s['replicas_at_end']}; {s['requests']:,} requests, {s['errors']} failed. On "
+        "one 2-core machine more replicas share the same cores: the mechanism, not capacity.",
     ]
 
 
