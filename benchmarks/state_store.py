@@ -258,6 +258,100 @@ def measure(engine_name: str, users: int, folder: str, seconds: float) -> dict:
     return out
 
 
+def cluster_restart(users: int, folder: str, shards: int = 24, masters: int = 3) -> dict:
+    """A Redis Cluster of ``masters`` primaries holding ``users`` in ``shards`` store shards
+    (user % shards; each shard one hash slot): the users each node holds, then ``kill -9`` of
+    the node holding shard 0 and seconds until a reader gets that shard's users again - what
+    one node's restart costs when the users are spread."""
+    import redis
+
+    from benchmarks.redis_server import RedisCluster
+
+    shutil.rmtree(folder, ignore_errors=True)
+    cluster = RedisCluster(folder, masters=masters)
+    uri = cluster.uri("bench")
+    rng = np.random.default_rng(1)
+    values = [synthetic_value(rng) for _ in range(256)]
+    try:
+        t0 = time.perf_counter()
+        for shard in range(shards):
+            store = open_store(uri, shard, redis_fsync="always")
+            store.load((u, values[u % 256]) for u in range(shard, users, shards))
+            store.close()
+            print(f"  shard {shard} loaded ({time.perf_counter() - t0:.0f} s)", flush=True)
+        load_s = time.perf_counter() - t0
+        held = []
+        for node in cluster.nodes:
+            client = redis.Redis(host="127.0.0.1", port=node.port)
+            held.append(int(client.dbsize()))
+            client.close()
+        key = open_store(uri, 0, writer=False).user_key(0)
+        probe = redis.Redis(host="127.0.0.1", port=cluster.nodes[0].port)
+        slot = int(probe.cluster("keyslot", key))
+        probe.close()
+        (victim,) = [
+            n for n in cluster.nodes if any(lo <= slot <= hi for lo, hi in _slots_of(n.port))
+        ]
+        victim_users = sum(len(range(sh, users, shards)) for sh in _shards_on(victim, uri, shards))
+        victim.kill()
+        t0 = time.perf_counter()
+        victim.start(timeout_s=900)
+        while True:  # serving again: a reader of shard 0 gets its users
+            try:
+                reader = open_store(uri, 0, writer=False)
+                ok = reader.get([0, shards])[0] is not None
+                reader.close()
+                if ok:
+                    break
+            except Exception:  # noqa: BLE001 - the cluster is still settling
+                pass
+            time.sleep(0.05)
+        back = time.perf_counter() - t0
+    finally:
+        cluster.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "engine": "redis-cluster",
+        "users": users,
+        "masters": masters,
+        "shards": shards,
+        "load_s": round(load_s, 1),
+        "keys_per_node": held,
+        "restarted_node_users": victim_users,
+        "kill9_to_serving_s": round(back, 1),
+    }
+
+
+def _slots_of(port: int) -> list[tuple[int, int]]:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        mine = client.cluster("myid")
+        nodes = client.cluster("nodes")
+    finally:
+        client.close()
+    for info in nodes.values():
+        if info["node_id"] == (mine.decode() if isinstance(mine, bytes) else mine):
+            return [tuple(map(int, r)) for r in info["slots"]]
+    return []
+
+
+def _shards_on(node, uri: str, shards: int) -> set[int]:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=node.port)
+    ranges = _slots_of(node.port)
+    out = set()
+    for shard in range(shards):
+        key = open_store(uri, shard, writer=False).user_key(shard)
+        slot = int(client.cluster("keyslot", key))
+        if any(lo <= slot <= hi for lo, hi in ranges):
+            out.add(shard)
+    client.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -267,7 +361,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="out/bench/state_store", help="scratch folder (removed after)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of each events run")
     p.add_argument("--json", default="benchmarks/results/state_store.json", help="results file")
+    p.add_argument(
+        "--cluster-restart",
+        type=int,
+        default=0,
+        metavar="USERS",
+        help="instead: USERS on a three-primary Redis Cluster, one node killed and restarted",
+    )
     a = p.parse_args(argv)
+    if a.cluster_restart:
+        row = cluster_restart(a.cluster_restart, os.path.join(a.out, "redis-cluster"))
+        print(json.dumps(row), flush=True)
+        with open(a.json) as f:
+            result = json.load(f)
+        result["cluster_restart"] = row
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+        return 0
     engines = a.engines.split(",")
     unknown = set(engines) - set(ENGINES)
     if unknown:
