@@ -402,3 +402,46 @@ def read_history(uri: str) -> list[tuple[str | None, list[tuple[int, int, int, f
         finally:
             store.close()
     return out
+
+
+def shard_rows(manifest_uri: str, shard: int, shards: int):
+    """(user_id, packed state) of the published states at ``manifest_uri`` that belong to
+    store shard ``shard`` of ``shards`` (``user_id % shards == shard``), file by file."""
+    import pyarrow as pa
+
+    from artifacts import states, storage
+
+    manifest = storage.read_marker(manifest_uri)
+    layout = states.Layout.from_manifest(manifest)
+    for f in manifest["state_files"]:
+        t = storage.read_table(manifest_uri, f, marker=manifest)
+        mine = pa.array(t.column("user_id").to_numpy() % shards == shard)
+        for row in t.filter(mine).to_pylist():
+            yield row["user_id"], states.pack(row, layout)
+
+
+def load_shard(store: StateStore, manifest_uri: str, shard: int, shards: int) -> int | None:
+    """Load shard ``shard`` of ``shards`` (``store``, open for writing) with its users of the
+    published states at ``manifest_uri``, if it holds none yet: returns how many, or None when
+    it already holds states (those it loaded and the events since stay; ``store.meta("states")``
+    names them). A shard cut for another number of shards is refused: its users would be
+    looked for in the wrong shard and answered as unknown."""
+    from artifacts import storage
+
+    check_cut(store, shard, shards)
+    if store.meta("states") is not None:
+        return None
+    pinned = storage.resolve(manifest_uri)
+    return store.load(shard_rows(pinned, shard, shards), meta={"states": pinned, "shards": shards})
+
+
+def check_cut(store: StateStore, shard: int, shards: int) -> None:
+    """Refuse a shard loaded for another number of shards than ``shards``."""
+    from models.errors import InputError
+
+    cut = store.meta("shards")
+    if cut is not None and int(cut) != shards:
+        raise InputError(
+            f"store shard {shard} was loaded for {cut} shards, not {shards}: serve it with "
+            f"shards={cut}, or load the states into a new store_uri"
+        )

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 
 from artifacts import states, storage
 from artifacts.data import user_sequences
+from artifacts.state_store import check_cut, check_store_uri, load_shard, open_store
 from models.errors import InputError
 from pipelines.common import cli, jobs
 from pipelines.common.ranker_actors import RankerActor, map_with_rankers
@@ -111,9 +112,12 @@ def build(
     actors: int = 2,
     batch_size: int = 32,
     user_ids: list[int] | None = None,
+    store_uri: str | None = None,
+    shards: int = 2,
 ) -> dict:
     """Build and publish the states; ``user_ids`` limits the build to those users (the sweep's
-    sample), otherwise every user of the dataset gets one."""
+    sample), otherwise every user of the dataset gets one. With ``store_uri``, the published
+    states are then loaded into that serving store's ``shards`` shards (``fill_store``)."""
     import ray
 
     from models.collective_kv import full_kv_bytes, state_bytes_per_token
@@ -135,6 +139,8 @@ def build(
             f"{dataset_uri} has {marker['items']}"
         )
     ckv = rc.collective_kv
+    if store_uri:
+        check_store_uri(store_uri)  # before the build, not after it
     users = state_inputs(dataset_uri, include_test)
     if user_ids is not None:
         users = users.filter(pl.col("user_id").is_in(list(user_ids)))
@@ -200,6 +206,7 @@ def build(
     except BaseException:
         pub.discard()
         raise
+    filled = fill_store(storage.resolve(target), store_uri, shards) if store_uri else None
     return {
         "job": "build_user_states",
         "dataset": marker["name"],
@@ -214,8 +221,61 @@ def build(
         ),
         "collapsed_routers": bad,
         "user_states": target,
+        **({"store": filled} if filled else {}),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def fill_store(manifest_uri: str, store_uri: str, shards: int) -> dict:
+    """Load the states at ``manifest_uri`` into the serving store at ``store_uri``, cut into
+    ``shards`` shards as the app's ``shards`` setting cuts them: one Ray task a shard, so the
+    Serve deployments open a store that holds their users already instead of loading them at
+    start. A Redis store's tasks run anywhere in the cluster; an embedded store's on this
+    machine (its folder is here). A shard that holds these states is left as it is; one that
+    holds others (and the events since) is refused: serve those, or give a new store_uri."""
+    import ray
+
+    t0 = time.perf_counter()
+    options = {"num_cpus": 1}
+    if not check_store_uri(store_uri):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+    fill = ray.remote(_fill_shard).options(**options)
+    loaded = ray.get([fill.remote(store_uri, manifest_uri, s, shards) for s in range(shards)])
+    summary = {
+        "uri": store_uri,
+        "shards": shards,
+        "users_loaded": sum(loaded),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    log.info("store %s: %s", store_uri, summary)
+    return summary
+
+
+def _fill_shard(store_uri: str, manifest_uri: str, shard: int, shards: int) -> int:
+    # looked at as a reader first: opening a writer fences the one serving (if any), which
+    # only a shard that holds no states yet may cost
+    reader = open_store(store_uri, shard, writer=False)
+    try:
+        check_cut(reader, shard, shards)
+        held = reader.meta("states")
+    finally:
+        reader.close()
+    if held == manifest_uri:
+        return 0
+    if held is not None:
+        raise InputError(
+            f"{store_uri} shard {shard} holds the states of {held} and the events since, not "
+            f"{manifest_uri}: give build_user_states a new --store-uri (and the app that "
+            "store_uri)"
+        )
+    store = open_store(store_uri, shard, writer=True)
+    try:
+        return load_shard(store, manifest_uri, shard, shards) or 0
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,9 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--actors", type=int, default=2, help="prefill actors (Ray Data map_batches)")
     p.add_argument("--batch-size", type=int, default=32, help="users per prefill forward")
+    p.add_argument(
+        "--store-uri",
+        help="then load the states into this serving store (a local folder or redis://; the "
+        "app's store_uri), so its shards open holding their users",
+    )
+    p.add_argument(
+        "--shards", type=int, default=2, help="with --store-uri: the app's shards setting"
+    )
     a = cli.parse(p, argv)
-    if a.actors <= 0 or a.batch_size <= 0:
-        p.error("--actors and --batch-size must be > 0")
+    if a.actors <= 0 or a.batch_size <= 0 or a.shards <= 0:
+        p.error("--actors, --batch-size and --shards must be > 0")
     return jobs.run(
         lambda: build(
             a.dataset_uri,
@@ -243,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             include_test=a.include_test,
             actors=a.actors,
             batch_size=a.batch_size,
+            store_uri=a.store_uri,
+            shards=a.shards,
         )
     )
 

@@ -20,10 +20,8 @@ import os
 import threading
 import time
 
-import pyarrow as pa
-
 from artifacts import states, storage
-from artifacts.state_store import Outcome, Write, open_store
+from artifacts.state_store import Outcome, Write, load_shard, open_store
 
 log = logging.getLogger("kvrank.store")
 
@@ -88,18 +86,17 @@ class ShardStore:
         # last committed state) and run on the caller's thread while commits run on another
         self.reads = ShardReader(store_uri, shard, self.layout, **kw)
         self.reader = self.reads.engine
-        loaded = self.writer.meta("states")
+        loaded = load_shard(self.writer, manifest_uri, shard, shards)
         pinned = storage.resolve(manifest_uri)
-        if loaded is None:
-            n = self.writer.load(self._published_rows(manifest_uri), meta={"states": pinned})
-            log.info("shard %d/%d: %d users loaded from %s", shard, shards, n, pinned)
-        elif loaded != pinned:
+        if loaded is not None:
+            log.info("shard %d/%d: %d users loaded from %s", shard, shards, loaded, pinned)
+        elif self.writer.meta("states") != pinned:
             log.warning(
                 "shard %d/%d serves the states it loaded from %s and the events since; the "
                 "manifest names %s (a new store_uri starts from those)",
                 shard,
                 shards,
-                loaded,
+                self.writer.meta("states"),
                 pinned,
             )
         log.info(
@@ -109,13 +106,6 @@ class ShardStore:
             time.perf_counter() - t0,
             self.writer.stats(),
         )
-
-    def _published_rows(self, manifest_uri: str):
-        for f in self.manifest["state_files"]:
-            t = storage.read_table(manifest_uri, f, marker=self.manifest)
-            mine = pa.array(t.column("user_id").to_numpy() % self.shards == self.shard)
-            for row in t.filter(mine).to_pylist():
-                yield row["user_id"], states.pack(row, self.layout)
 
     def owns(self, user_id: int) -> bool:
         return user_id % self.shards == self.shard

@@ -257,3 +257,50 @@ def test_states_need_a_collective_kv_checkpoint(tiny, capsys):
     )
     assert rc == 2
     assert "not a complete publication" in capsys.readouterr().err
+
+
+def test_built_states_go_into_the_serving_store_its_shards_open_with(
+    tiny_trained, redis_server, redis_cluster, tmp_path, capsys
+):
+    """build_user_states --store-uri loads the published states into the store, cut as the
+    app's shards setting cuts them: each shard then opens holding exactly its users' packed
+    states (nothing loaded at start); filling again is a no-op; a store holding other states,
+    or opened with another number of shards, is refused with what to do. The job fills the
+    embedded engine; the same fill (one Ray task a shard) fills Redis and a Redis Cluster."""
+    from artifacts.state_store import open_store
+    from models.errors import InputError
+    from services.store import ShardStore
+
+    ds, fit = tiny_trained["dataset"], tiny_trained["fit"]
+    local = str(tmp_path / "store")
+    built = run_json(
+        capsys,
+        build_user_states.main,
+        ["--dataset-uri", ds, "--out", str(tmp_path / "out"), "--checkpoint", fit["checkpoint"]]
+        + ["--actors", "1", "--store-uri", local, "--shards", "3"],
+    )
+    pinned = storage.resolve(built["user_states"])
+    assert built["store"]["users_loaded"] == built["users"] == N_USERS
+    manifest, table = states.read_states(pinned)
+    layout = states.Layout.from_manifest(manifest)
+    other = storage.resolve(tiny_trained["states"]["user_states"])
+    for store_uri in (local, redis_server.uri(), redis_cluster.uri()):
+        if store_uri != local:
+            assert build_user_states.fill_store(pinned, store_uri, 3)["users_loaded"] == N_USERS
+        for shard in range(3):
+            opened = ShardStore(pinned, store_uri, shard, 3)
+            try:
+                mine = [r for r in table.to_pylist() if r["user_id"] % 3 == shard]
+                got = opened.reader.get([r["user_id"] for r in mine])
+                assert [g[1] for g in got] == [states.pack(r, layout) for r in mine]
+                assert opened.reader.meta("users") == str(len(mine))
+            finally:
+                opened.close()
+        assert build_user_states.fill_store(pinned, store_uri, 3)["users_loaded"] == 0
+        with pytest.raises(InputError, match="holds the states of .* new --store-uri"):
+            build_user_states.fill_store(other, store_uri, 3)
+        with pytest.raises(InputError, match="loaded for 3 shards, not 2: serve it with shards"):
+            ShardStore(pinned, store_uri, 0, 2)
+        reader = open_store(store_uri, 0, writer=False)
+        assert reader.meta("states") == pinned  # nothing of it changed
+        reader.close()
