@@ -9,6 +9,8 @@ token, the K and V pool indices and the float16 user parts, plus the history's v
 (``artifacts.states`` gives the row format). Output ``<out>/user_states/<run>/``:
 
 - ``states-NNNNN.parquet``: one row per user;
+- ``catalog.faiss``, for catalogs of ``--index-items`` or more: the retrieval index
+  ``/v1/recommend`` searches (``artifacts.retrieval``);
 - ``_SUCCESS.json``: the manifest tying dataset, item vectors, checkpoint and states together,
   with users, tokens, state bytes, the bytes of the full fp16 KV and their ratio, and per layer
   how the routers use their pools (distinct entries / M and the entropy of their use). A router
@@ -32,7 +34,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from artifacts import states, storage
+from artifacts import retrieval, states, storage
 from artifacts.data import user_sequences
 from artifacts.state_store import check_cut, check_store_uri, load_shard, open_store
 from models.errors import InputError
@@ -114,10 +116,14 @@ def build(
     user_ids: list[int] | None = None,
     store_uri: str | None = None,
     shards: int = 2,
+    index_items: int = retrieval.INDEX_ITEMS,
+    index_nprobe: int = retrieval.NPROBE,
 ) -> dict:
     """Build and publish the states; ``user_ids`` limits the build to those users (the sweep's
     sample), otherwise every user of the dataset gets one. With ``store_uri``, the published
-    states are then loaded into that serving store's ``shards`` shards (``fill_store``)."""
+    states are then loaded into that serving store's ``shards`` shards (``fill_store``). A
+    catalog of at least ``index_items`` items gets the retrieval index ``/v1/recommend``
+    searches (``artifacts.retrieval``), published with the states."""
     import ray
 
     from models.collective_kv import full_kv_bytes, state_bytes_per_token
@@ -170,8 +176,12 @@ def build(
     if bad:
         log.warning("collapsed router(s), one pool entry for every token: %s", ", ".join(bad))
     files = []
+    index_meta = None
     pub = storage.Publication(target)
     try:
+        if int(ckpt["n_items"]) >= index_items:
+            blob, index_meta = catalog_index(checkpoint, vectors_uri, index_nprobe)
+            pub.put_bytes(retrieval.FILE, blob)
         n_files = max(1, math.ceil(table.num_rows / USERS_PER_FILE))
         step = math.ceil(table.num_rows / n_files) if table.num_rows else 1
         for f in range(n_files):
@@ -201,6 +211,7 @@ def build(
                 "index_dtype": index_dtype,
                 "router_use": use,
                 "collapsed_routers": bad,
+                "retrieval_index": index_meta,
             }
         )
     except BaseException:
@@ -222,8 +233,26 @@ def build(
         "collapsed_routers": bad,
         "user_states": target,
         **({"store": filled} if filled else {}),
+        **({"retrieval_index": index_meta} if index_meta else {}),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def catalog_index(checkpoint: str, vectors_uri: str | None, nprobe: int) -> tuple[bytes, dict]:
+    """The retrieval index of every item's candidate token under this ranker and item vectors
+    (what ``RankEngine.recommend`` takes dot products with), and its manifest entry."""
+    import torch
+
+    from artifacts.data import load_ranker
+
+    t0 = time.perf_counter()
+    model, _, _ = load_ranker(checkpoint, vectors_uri)
+    with torch.no_grad():
+        tokens = model.eval().catalog_tokens().float().numpy()
+    blob, meta = retrieval.build(tokens, nprobe=nprobe)
+    meta["seconds"] = round(time.perf_counter() - t0, 1)
+    log.info("retrieval index: %s", meta)
+    return blob, meta
 
 
 def fill_store(manifest_uri: str, store_uri: str, shards: int) -> dict:
@@ -298,9 +327,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--shards", type=int, default=2, help="with --store-uri: the app's shards setting"
     )
+    p.add_argument(
+        "--index-items",
+        type=int,
+        default=retrieval.INDEX_ITEMS,
+        help="catalogs of at least this many items get a retrieval index for /v1/recommend "
+        "(smaller ones are searched exactly)",
+    )
+    p.add_argument(
+        "--index-nprobe",
+        type=int,
+        default=retrieval.NPROBE,
+        help="index groups a retrieval query scans (more: better recall, slower)",
+    )
     a = cli.parse(p, argv)
-    if a.actors <= 0 or a.batch_size <= 0 or a.shards <= 0:
-        p.error("--actors, --batch-size and --shards must be > 0")
+    if min(a.actors, a.batch_size, a.shards, a.index_items, a.index_nprobe) <= 0:
+        p.error("--actors, --batch-size, --shards, --index-items and --index-nprobe must be > 0")
     return jobs.run(
         lambda: build(
             a.dataset_uri,
@@ -313,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=a.batch_size,
             store_uri=a.store_uri,
             shards=a.shards,
+            index_items=a.index_items,
+            index_nprobe=a.index_nprobe,
         )
     )
 

@@ -8,16 +8,19 @@ nothing per user and scale freely.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from artifacts import states, storage
+from artifacts import retrieval, states, storage
 from models.batches import history_batch
 from models.inputs import CompressedCache, Event, History
 
 Row = dict  # one user's state row (artifacts.states format)
+log = logging.getLogger("kvrank.engine")
 
 
 class RankEngine:
@@ -51,6 +54,11 @@ class RankEngine:
         )
         self.n_items = int(ranker_marker["n_items"])
         self._catalog = None  # every item's candidate token, for recommend (per item table)
+        self.index = None  # the retrieval index built with the states, for large catalogs
+        index_meta = self.manifest.get("retrieval_index")
+        if index_meta and self.vectors_uri == self.manifest.get("vectors_uri"):
+            blob = storage.read_file(manifest_uri, index_meta["file"], marker=self.manifest)
+            self.index = retrieval.load(blob, index_meta)
         self.follow = bool(follow_vectors and self.vectors_uri and self.model.cfg.reads_vectors)
         self.model.to(self.device).eval()
         self.slack_items = slack_items
@@ -80,6 +88,13 @@ class RankEngine:
         # one reference swap: a forward running meanwhile reads the old table or the new one
         self.model.set_item_table(table)
         self._catalog = None
+        if self.index is not None:  # built from the old tokens: exact until states are rebuilt
+            log.warning(
+                "item vectors %s: recommend retrieves exactly over the catalog until states "
+                "(and their retrieval index) are built with them",
+                newest,
+            )
+            self.index = None
         self.vectors_uri = newest
         return newest
 
@@ -126,26 +141,13 @@ class RankEngine:
     @torch.no_grad()
     def recommend(self, rows: list[Row], ks: list[int], retrieve: int, exclude_seen: list[bool]):
         """Per user: (vids, scores) of the best k items of the whole catalog, best first, in two
-        stages. Retrieval: the ``retrieve`` items with the largest dot product of the user
-        vector with their candidate token, plus the weighted prior when there is one - the
-        served score without the per-candidate head, one matrix product for the batch. Then
-        those are ranked with the full score (``rank``). With ``exclude_seen`` the user's
-        history items are left out. ``retrieve`` >= the catalog makes it exact."""
-        cache = self._cache(rows)
-        if self._catalog is None:
-            self._catalog = self.model.catalog_tokens().float()
-        approx = self.model.user_vector(cache).float() @ self._catalog.T  # (B, n_items)
+        stages. Retrieval (``retrieved``): the ``retrieve`` items with the largest dot product
+        of the user vector with their candidate token, plus the weighted prior when there is
+        one - the served score without the per-candidate head. Then those are ranked with the
+        full score (``rank``). With ``exclude_seen`` the user's history items are left out.
+        Without a retrieval index, ``retrieve`` >= the catalog makes it exact."""
         hists = [torch.as_tensor(r["hist"], dtype=torch.long) for r in rows]
-        if self.prior is not None:
-            approx += self.prior_weight * self.prior.scores(hists).to(approx.device)
-        for i, h in enumerate(hists):
-            if exclude_seen[i] and len(h):
-                approx[i, h.to(approx.device)] = float("-inf")
-        top = approx.topk(min(retrieve, self.n_items), dim=1)
-        candidates = [
-            idx[torch.isfinite(val)].tolist()
-            for idx, val in zip(top.indices.cpu(), top.values.cpu(), strict=True)
-        ]
+        candidates = self.retrieved(self._cache(rows), hists, retrieve, exclude_seen)
         keep = [i for i, c in enumerate(candidates) if c]  # a user who has seen everything
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in rows]
         if keep:
@@ -154,6 +156,47 @@ class RankEngine:
             )
             for i, r in zip(keep, ranked, strict=True):
                 out[i] = r
+        return out
+
+    def retrieved(self, cache, hists: list[Tensor], retrieve: int, exclude_seen: list[bool]):
+        """The first stage of ``recommend``: per user, the ids of up to ``retrieve`` items, best
+        first. Exact (one matrix product over the catalog for the batch) unless the states
+        came with a retrieval index (``artifacts.retrieval``, large catalogs): then the index's
+        best items by the dot product, joined by every item the prior scores (the neighbours
+        of the user's newest items), are scored exactly and the best kept."""
+        if self._catalog is None:
+            self._catalog = self.model.catalog_tokens().float()
+        users = self.model.user_vector(cache).float()
+        prior = self.prior.scores(hists) if self.prior is not None else None
+        if self.index is None:
+            approx = users @ self._catalog.T  # (B, n_items)
+            if prior is not None:
+                approx += self.prior_weight * prior.to(approx.device)
+            pools = [None] * len(hists)
+        else:
+            wanted = min(retrieve + max(len(h) for h in hists), self.n_items)
+            found = retrieval.search(self.index, users.cpu().numpy(), wanted)
+            pools = [torch.as_tensor(f, dtype=torch.long) for f in found]
+            if prior is not None:
+                pools = [
+                    torch.unique(torch.cat([p, prior[i].nonzero().flatten()]))
+                    for i, p in enumerate(pools)
+                ]
+        out = []
+        for i, h in enumerate(hists):
+            pool = pools[i]
+            if pool is None:
+                scores = approx[i]
+            else:
+                scores = users[i] @ self._catalog[pool.to(self.device)].T
+                if prior is not None:
+                    scores += self.prior_weight * prior[i, pool].to(scores.device)
+            if exclude_seen[i] and len(h):
+                seen = h if pool is None else torch.isin(pool, h).nonzero().flatten()
+                scores[seen.to(scores.device)] = float("-inf")
+            top = scores.topk(min(retrieve, len(scores)))
+            idx = top.indices.cpu()[torch.isfinite(top.values.cpu())]
+            out.append((idx if pool is None else pool[idx]).tolist())
         return out
 
     @torch.no_grad()

@@ -259,16 +259,20 @@ def test_states_need_a_collective_kv_checkpoint(tiny, capsys):
     assert "not a complete publication" in capsys.readouterr().err
 
 
-def test_built_states_go_into_the_serving_store_its_shards_open_with(
+def test_built_states_go_into_the_serving_store_with_their_retrieval_index(
     tiny_trained, redis_server, redis_cluster, tmp_path, capsys
 ):
     """build_user_states --store-uri loads the published states into the store, cut as the
     app's shards setting cuts them: each shard then opens holding exactly its users' packed
     states (nothing loaded at start); filling again is a no-op; a store holding other states,
     or opened with another number of shards, is refused with what to do. The job fills the
-    embedded engine; the same fill (one Ray task a shard) fills Redis and a Redis Cluster."""
+    embedded engine; the same fill (one Ray task a shard) fills Redis and a Redis Cluster.
+    A catalog of --index-items or more gets a retrieval index in the states' version, which
+    the serving engine loads and retrieves through as exactly as the matrix product when it
+    scans every group."""
     from artifacts.state_store import open_store
     from models.errors import InputError
+    from services.engine import RankEngine
     from services.store import ShardStore
 
     ds, fit = tiny_trained["dataset"], tiny_trained["fit"]
@@ -277,12 +281,22 @@ def test_built_states_go_into_the_serving_store_its_shards_open_with(
         capsys,
         build_user_states.main,
         ["--dataset-uri", ds, "--out", str(tmp_path / "out"), "--checkpoint", fit["checkpoint"]]
-        + ["--actors", "1", "--store-uri", local, "--shards", "3"],
+        + ["--actors", "1", "--store-uri", local, "--shards", "3"]
+        + ["--index-items", "1", "--index-nprobe", "1000"],
     )
     pinned = storage.resolve(built["user_states"])
     assert built["store"]["users_loaded"] == built["users"] == N_USERS
     manifest, table = states.read_states(pinned)
     layout = states.Layout.from_manifest(manifest)
+    index = manifest["retrieval_index"]
+    assert index == built["retrieval_index"] and index["nprobe"] == index["nlist"]
+    assert index["items"] == int(storage.read_marker(fit["checkpoint"])["n_items"])
+    engine = RankEngine(pinned)
+    assert engine.index is not None and engine.index.ntotal == index["items"]
+    rows = table.to_pylist()[:8]
+    with_index = engine.recommend(rows, [5] * 8, 10, [True] * 8)
+    engine.index = None
+    assert with_index == engine.recommend(rows, [5] * 8, 10, [True] * 8)
     other = storage.resolve(tiny_trained["states"]["user_states"])
     for store_uri in (local, redis_server.uri(), redis_cluster.uri()):
         if store_uri != local:
