@@ -192,7 +192,7 @@ def state_store() -> list[str]:
         "redis-server (its append-only file on the same disk); events are fsynced before they "
         "are acknowledged, 64 clients share commits (group commit). kill -9 hits the process "
         "that holds the data: the writer for sqlite (reopened), the server for redis "
-        "(restarted, replaying its append-only file)." + cluster_restart(report),
+        "(restarted, replaying its append-only file)." + cluster_restart(report) + one_user(),
         "",
         *store_end_to_end(),
     ]
@@ -209,6 +209,21 @@ def cluster_restart(report: dict) -> str:
         f"a {c['masters']}-primary Redis Cluster ({per_node} keys per node), the node "
         f"holding {c['restarted_node_users']:,} of them killed with "
         f"kill -9 served again after {c['kill9_to_serving_s']:.1f} s."
+    )
+
+
+def one_user() -> str:
+    """A sentence on one user's many events (benchmarks.one_user), when it was run."""
+    try:
+        r = load("one_user.json")
+    except FileNotFoundError:
+        return ""
+    return (
+        f" One user sending {r['events']:,} events (`benchmarks.one_user`: the engine's "
+        f"extend and a durable commit each) never held more than {r['history_length_max']} "
+        f"history items ({r['max_len']} + slack {r['slack_items']}) or "
+        f"{r['packed_bytes_max']:,} packed bytes, rebuilt {r['rebuilds']:,} times; RSS "
+        f"{r['rss_mib_start']:,.0f} MiB before, {r['rss_mib_end']:,.0f} MiB after."
     )
 
 
