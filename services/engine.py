@@ -168,35 +168,32 @@ class RankEngine:
             self._catalog = self.model.catalog_tokens().float()
         users = self.model.user_vector(cache).float()
         prior = self.prior.scores(hists) if self.prior is not None else None
-        if self.index is None:
+        if self.index is None:  # one matrix product and one top-k for the batch
             approx = users @ self._catalog.T  # (B, n_items)
             if prior is not None:
                 approx += self.prior_weight * prior.to(approx.device)
-            pools = [None] * len(hists)
-        else:
-            wanted = min(retrieve + max(len(h) for h in hists), self.n_items)
-            found = retrieval.search(self.index, users.cpu().numpy(), wanted)
-            pools = [torch.as_tensor(f, dtype=torch.long) for f in found]
-            if prior is not None:
-                pools = [
-                    torch.unique(torch.cat([p, prior[i].nonzero().flatten()]))
-                    for i, p in enumerate(pools)
-                ]
+            for i, h in enumerate(hists):
+                if exclude_seen[i] and len(h):
+                    approx[i, h.to(approx.device)] = float("-inf")
+            top = approx.topk(min(retrieve, self.n_items), dim=1)
+            return [
+                idx[torch.isfinite(val)].tolist()
+                for idx, val in zip(top.indices.cpu(), top.values.cpu(), strict=True)
+            ]
+        wanted = min(retrieve + max(len(h) for h in hists), self.n_items)
+        found = retrieval.search(self.index, users.cpu().numpy(), wanted)
         out = []
         for i, h in enumerate(hists):
-            pool = pools[i]
-            if pool is None:
-                scores = approx[i]
-            else:
-                scores = users[i] @ self._catalog[pool.to(self.device)].T
-                if prior is not None:
-                    scores += self.prior_weight * prior[i, pool].to(scores.device)
+            pool = torch.as_tensor(found[i], dtype=torch.long)
+            if prior is not None:
+                pool = torch.unique(torch.cat([pool, prior[i].nonzero().flatten()]))
+            scores = users[i] @ self._catalog[pool.to(self.device)].T
+            if prior is not None:
+                scores += self.prior_weight * prior[i, pool].to(scores.device)
             if exclude_seen[i] and len(h):
-                seen = h if pool is None else torch.isin(pool, h).nonzero().flatten()
-                scores[seen.to(scores.device)] = float("-inf")
+                scores[torch.isin(pool, h).nonzero().flatten().to(scores.device)] = float("-inf")
             top = scores.topk(min(retrieve, len(scores)))
-            idx = top.indices.cpu()[torch.isfinite(top.values.cpu())]
-            out.append((idx if pool is None else pool[idx]).tolist())
+            out.append(pool[top.indices.cpu()[torch.isfinite(top.values.cpu())]].tolist())
         return out
 
     @torch.no_grad()
