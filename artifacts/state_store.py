@@ -445,3 +445,57 @@ def check_cut(store: StateStore, shard: int, shards: int) -> None:
             f"store shard {shard} was loaded for {cut} shards, not {shards}: serve it with "
             f"shards={cut}, or load the states into a new store_uri"
         )
+
+
+def is_store(uri: str) -> bool:
+    """Whether ``uri`` names a serving store (a redis:// server, or a local folder holding
+    shard databases) rather than a published states folder."""
+    from artifacts import redis_store, storage
+
+    if redis_store.is_redis(uri):
+        return True
+    return not storage.is_remote(uri) and os.path.isdir(uri) and bool(store_shards(uri))
+
+
+def read_served(uri: str, user_ids: Sequence[int]):
+    """(the published states the store at ``uri`` was loaded from, the rows of ``user_ids`` as
+    the store holds them now, in ``artifacts.states.schema``): what serving answers from, the
+    events applied since included. Users the store does not hold have no row. Every shard must
+    hold the same states, and all of the shards they were cut into must be there."""
+    import numpy as np
+    import pyarrow as pa
+
+    from artifacts import states, storage
+    from models.errors import InputError
+
+    shards = store_shards(uri)
+    if not shards:
+        raise InputError(f"store {uri}: no shards found")
+    readers = [open_store(uri, s, writer=False) for s in shards]
+    try:
+        held = {r.meta("states") for r in readers}
+        cuts = {r.meta("shards") for r in readers}
+        if len(held) != 1 or None in held or len(cuts) != 1:
+            raise InputError(
+                f"store {uri}: its shards hold {sorted(map(str, held))} cut into "
+                f"{sorted(map(str, cuts))} shards; load one version into every shard "
+                "(build_user_states --store-uri)"
+            )
+        cut = int(cuts.pop() or len(shards))
+        if shards != list(range(cut)):
+            raise InputError(f"store {uri}: was cut into {cut} shards, holds shards {shards}")
+        manifest_uri = held.pop()
+        layout = states.Layout.from_manifest(storage.read_marker(manifest_uri))
+        ids = np.asarray(user_ids, dtype=np.int64)
+        rows = []
+        for shard, reader in zip(shards, readers, strict=True):
+            mine = ids[ids % cut == shard].tolist()
+            for at in range(0, len(mine), 4096):
+                chunk = mine[at : at + 4096]
+                for uid, got in zip(chunk, reader.get(chunk), strict=True):
+                    if got is not None:
+                        rows.append(states.unpack(uid, got[1], layout))
+        return manifest_uri, pa.Table.from_pylist(rows, schema=states.schema(layout))
+    finally:
+        for r in readers:
+            r.close()

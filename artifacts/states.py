@@ -207,11 +207,17 @@ def state_nbytes(table: pa.Table) -> int:
     )
 
 
-def read_states(uri: str) -> tuple[dict, pa.Table]:
-    """(manifest, all state rows) of a published user_states folder."""
+def read_manifest(uri: str) -> dict:
+    """The manifest of a published user_states folder."""
     manifest = storage.read_marker(uri)
     if manifest.get("kind") != "user_states":
         raise InputError(f"{uri} is not a user_states folder (kind {manifest.get('kind')!r})")
+    return manifest
+
+
+def read_states(uri: str) -> tuple[dict, pa.Table]:
+    """(manifest, all state rows) of a published user_states folder."""
+    manifest = read_manifest(uri)
     parts = [storage.read_table(uri, f, marker=manifest) for f in manifest["state_files"]]
     return manifest, pa.concat_tables(parts)
 

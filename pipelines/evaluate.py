@@ -18,7 +18,10 @@ test item is ranked (a) against the full catalog minus the items already in that
   (a full-catalog ranking by the teacher is one prompt per catalog item and user);
 - with ``--user-states``: ``ranker`` is scored from the stored CollectiveKV states (read back,
   expanded, MIS - exactly the serving path, no fresh prefill), and ``uncompressed`` is the
-  ranker its pools were fitted to, so the table shows what the compression costs.
+  ranker its pools were fitted to, so the table shows what the compression costs. The states
+  are a published folder (build_user_states) or a serving store (its ``store_uri``), read
+  through the state-store interface as serving reads them; a user with events applied since
+  the states were built is refused (their history is no longer the protocol's test input).
 
 Users are scored by a Ray Data actor pool, each actor holding the model and the item table;
 ``--max-users`` evaluates a fixed random sample (seeded) when the full catalog times all users
@@ -89,6 +92,29 @@ def popular_ranks(
         full.append(at_least - int((counts[seen[seen != t]] >= c).sum()))
         sampled.append(int((counts[np.asarray(neg)] >= c).sum()))
     return np.array(full), np.array(sampled)
+
+
+def check_stored_histories(users: pl.DataFrame, source: str, events_possible: bool) -> None:
+    """Each stored state's history must be the end of its user's test input (history +
+    validation item; states keep at most the newest ``max_len`` items): anything else would
+    score another input than the protocol's, and a served store's events since the states were
+    built may hold the very item under test."""
+    bad = [
+        uid
+        for uid, h, inp in zip(users["user_id"], users["hist"], users["input"], strict=True)
+        if len(h) == 0 or list(h) != list(inp[-len(h) :])
+    ]
+    if bad:
+        why = (
+            "events were applied to them since the states were built; evaluate the published "
+            "states, or a store that has served no events"
+            if events_possible
+            else "were the states built from another dataset?"
+        )
+        raise InputError(
+            f"{source}: the stored history of {len(bad)} test users (user {bad[0]} first) is "
+            f"not the end of their test input: {why}"
+        )
 
 
 def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
@@ -178,12 +204,19 @@ def evaluate(
 
     t0 = time.perf_counter()
     dataset_uri = storage.pinned(dataset_uri)
-    states_manifest, states_table = None, None
+    users = eval_users(dataset_uri, max_users, seed)
+    states_manifest, states_table, store_uri = None, None, None
     if user_states:
-        from artifacts.states import read_states
+        from artifacts.state_store import is_store, read_served
+        from artifacts.states import read_manifest, read_states
 
-        user_states = storage.pinned(user_states)
-        states_manifest, states_table = read_states(user_states)
+        if is_store(user_states):  # what the serving store holds now, events included
+            store_uri = user_states
+            user_states, states_table = read_served(store_uri, users["user_id"].to_list())
+            states_manifest = read_manifest(user_states)
+        else:
+            user_states = storage.pinned(user_states)
+            states_manifest, states_table = read_states(user_states)
         if states_manifest["includes_test"]:
             raise InputError(
                 f"{user_states} includes each user's test item: build the states without "
@@ -200,6 +233,7 @@ def evaluate(
     checkpoint = storage.pinned(checkpoint)
     id_checkpoint = storage.pinned(id_checkpoint) if id_checkpoint else None
     vectors_uri = storage.pinned(vectors_uri) if vectors_uri else None
+    item_prior = storage.pinned(item_prior) if item_prior else None  # refused before any work
     marker = storage.read_marker(dataset_uri)
     ckpt_marker = storage.read_marker(checkpoint)
     n_items = int(marker["items"])
@@ -208,14 +242,15 @@ def evaluate(
             f"{checkpoint} was trained on {ckpt_marker['n_items']} items, "
             f"{dataset_uri} has {n_items}"
         )
-    users = eval_users(dataset_uri, max_users, seed)
     per_user = users.select("user_id", pl.col("input").list.len().alias("input_length"))
     if states_table is not None:
         stored = pl.from_arrow(states_table)
         missing = users.join(stored.select("user_id"), on="user_id", how="anti").height
+        source = store_uri or user_states
         if missing:
-            raise InputError(f"{user_states} has no state for {missing} of the test users")
+            raise InputError(f"{source} has no state for {missing} of the test users")
         users = users.join(stored, on="user_id", how="left")
+        check_stored_histories(users, source, events_possible=store_uri is not None)
     models = {"ranker": checkpoint} | ({"ranker_id": id_checkpoint} if id_checkpoint else {})
     if states_manifest is not None and ckpt_marker.get("base_checkpoint"):
         # the ranker the pools were fitted to, with its full KV: what compression costs
@@ -248,7 +283,7 @@ def evaluate(
             table,
             checkpoint,
             vectors_uri,
-            storage.pinned(item_prior),
+            item_prior,
             actors,
             from_states=states_table is not None,
         )
@@ -287,7 +322,9 @@ def evaluate(
         )
         metrics["teacher"] = {"sampled": summarize(per_user["teacher_sampled_rank"].to_numpy())}
     report = report or (
-        storage.name_of(user_states) + "-states" if user_states else storage.name_of(checkpoint)
+        storage.name_of(user_states) + ("-store" if store_uri else "-states")
+        if user_states
+        else storage.name_of(checkpoint)
     )
     target = storage.join(out, "reports", report)
     summary = {
@@ -306,6 +343,8 @@ def evaluate(
     }
     if fusion:
         summary["fusion_weight"] = fusion["weight"]
+    if store_uri:
+        summary["store_uri"] = store_uri
     pub = storage.Publication(target)
     try:
         pub.put_bytes(
@@ -317,6 +356,7 @@ def evaluate(
                     "id_checkpoint": id_checkpoint,
                     "teacher": teacher,
                     "user_states": user_states,
+                    "store_uri": store_uri,
                     "item_prior": item_prior,
                     "users": users.height,
                     "sampled_users": bool(max_users),
@@ -335,7 +375,7 @@ def evaluate(
                 "users": users.height,
                 # what Serve reads when given this report: what was measured, by version
                 "user_states": user_states,
-                "item_prior": storage.pinned(item_prior) if item_prior else None,
+                "item_prior": item_prior,
                 "fusion_weight": fusion["weight"] if fusion else None,
             }
         )
@@ -381,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", help="a published ranker checkpoint folder")
     p.add_argument(
         "--user-states",
-        help="score the ranker from these stored compressed states (build_user_states), "
-        "exactly as serving does; the checkpoint defaults to theirs",
+        help="score the ranker from stored compressed states, exactly as serving does: "
+        "published states (build_user_states), or a serving store (a store_uri: a folder of "
+        "shard databases or redis://) read as it holds them now; the checkpoint defaults to "
+        "theirs",
     )
     p.add_argument(
         "--out", required=True, help="output root; the report goes to <out>/reports/<name>/"

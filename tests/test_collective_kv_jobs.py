@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from artifacts import data, states, storage
+from artifacts.state_store import Write, open_store
 from models.collective_kv import state_bytes_per_token
 from models.config import CollectiveKVConfig
 from models.ranker import History, Ranker
@@ -229,6 +230,37 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
         ranks(from_states["report"]).sort("user_id").equals(ranks(fresh["report"]).sort("user_id"))
     )
 
+    # the same states in the serving store, read as serving reads them: the same ranks; once an
+    # event has changed a test user's history there, evaluating the store is refused
+    store = str(tmp_path / "store")
+    pinned = storage.resolve(built["user_states"])
+    assert build_user_states.fill_store(pinned, store, 2)["users_loaded"] == N_USERS
+    served = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--user-states", store, "--out", out, "--actors", "1"],
+    )
+    assert served["store_uri"] == store and served["report"] != from_states["report"]
+    assert ranks(served["report"]).sort("user_id").equals(ranks(fresh["report"]).sort("user_id"))
+    test_item = dict(zip(*evaluate.eval_users(ds, None, 0).select("user_id", "test"), strict=True))
+    layout = states.Layout.from_manifest(manifest)
+    row = table.to_pylist()[0]
+    uid = row["user_id"]
+    changed = {**row, "hist": [*row["hist"][:-1], test_item[uid]]}
+    writer = open_store(store, uid % 2)
+    assert (
+        writer.commit([Write(uid, 1, states.pack(changed, layout), test_item[uid], 0, None, {})])[
+            0
+        ].status
+        == "applied"
+    )
+    writer.close()
+    rc = evaluate.main(["--dataset-uri", ds, "--user-states", store, "--out", out])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"the stored history of 1 test users (user {uid} first)" in err
+    assert "events were applied to them since the states were built" in err
+
     # a checkpoint whose layer-0 K router sends every token to one entry: reported
     state = torch.load(io.BytesIO(storage.read_file(fit["checkpoint"], "model.pt")))
     state["layers.0.self_attn.ckv.router_k.weight"].zero_()
@@ -270,7 +302,6 @@ def test_built_states_go_into_the_serving_store_with_their_retrieval_index(
     A catalog of --index-items or more gets a retrieval index in the states' version, which
     the serving engine loads and retrieves through as exactly as the matrix product when it
     scans every group."""
-    from artifacts.state_store import open_store
     from models.errors import InputError
     from services.engine import RankEngine
     from services.store import ShardStore
