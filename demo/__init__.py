@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": a.dataset,
         "recipe": a.config,
         "budget": budget(a.config),
+        # whether the demo's training budget ended it while validation was still rising
+        "train_stopped_by": by["train"].get("stopped_by"),
+        "train_val_still_rising": by["train"].get("val_still_rising"),
         "stages": {s["stage"]: s["seconds"] for s in done},
         "ranker_ndcg10": ev.get("uncompressed_full_ndcg10"),
         "ranker_ndcg10_from_states": ev.get("ranker_full_ndcg10"),

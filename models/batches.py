@@ -32,6 +32,7 @@ class TrainBatch:
     cut: Tensor  # (B, C * (1 + K)) history items visible to each candidate
     groups: int  # C: cut points per user; scores.view(B, C, 1 + K), label 0
     next_vids: Tensor  # (B, T): the item after the first t + 1 history items; -100 = padding
+    teacher: Tensor | None = None  # (B, C * (1 + K)) a teacher's logits of the candidates
 
 
 def _pad(rows: list[np.ndarray], fill: int) -> Tensor:
@@ -78,6 +79,16 @@ def sample_candidates(
     return t, np.concatenate([window[t][:, None], neg], axis=1)
 
 
+def length_buckets(lengths: np.ndarray, batch_size: int, rng: np.random.Generator) -> list:
+    """Row indices of a chunk of rows cut into batches of ``batch_size`` rows of similar
+    lengths (sorted by length, ties in row order), the batches in a random order. A batch pads
+    to its longest row: on histories of a few items with a long tail, batches of mixed lengths
+    compute mostly padding."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
 def training_batch(
     vids: list[np.ndarray],
     feedback: list[np.ndarray],
@@ -87,17 +98,24 @@ def training_batch(
     max_len: int,
     cuts: int,
     negatives: int,
+    windowed: bool = False,
     given: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
+    teacher: np.ndarray | None = None,
 ) -> TrainBatch:
     """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items).
-    Negatives are uniform over the catalog. ``given``: fixed
+    Negatives are uniform over the catalog. ``windowed``: the sequences are windows already
+    (``sample_window``'s), used whole. ``given``: fixed
     (cut points (cuts,), candidates (cuts, 1 + negatives)) per sequence instead - the examples
-    a teacher labelled; the sequences are then used whole, as the windows they were cut for."""
+    a teacher labelled; the sequences are then used whole, as the windows they were cut for;
+    ``teacher``: the teacher's logits of those candidates, (B, cuts * (1 + negatives))."""
     win_v, win_f, cand_rows, cut_rows, next_rows = [], [], [], [], []
     k = 1 + negatives
     for i, (v, f) in enumerate(zip(vids, feedback, strict=True)):
         if given is None:
-            wv, wf = sample_window(v, f, rng, max_len)
+            if windowed:
+                wv, wf = np.asarray(v), np.asarray(f)
+            else:
+                wv, wf = sample_window(v, f, rng, max_len)
             t, cands = sample_candidates(wv, rng, n_items=n_items, cuts=cuts, negatives=negatives)
         else:
             wv, wf = np.asarray(v), np.asarray(f)
@@ -113,11 +131,11 @@ def training_batch(
         win_f.append(wf[:-1])
         next_rows.append(wv[1:])
     history = History(_pad(win_v, -1), _pad(win_f, -1), torch.tensor([len(x) for x in win_v]))
-    cands = np.stack(cand_rows)
     return TrainBatch(
         history,
-        torch.from_numpy(cands),
+        torch.from_numpy(np.stack(cand_rows)),
         torch.from_numpy(np.stack(cut_rows)),
         cuts,
         _pad(next_rows, -100),
+        None if teacher is None else torch.as_tensor(teacher, dtype=torch.float32),
     )

@@ -8,7 +8,9 @@
 
 An epoch is every user's history cut into windows of ``--max-len`` + 1 items (each item a
 next-item target once). Each worker of a ``TorchTrainer`` (gloo DDP on CPUs, NCCL on GPUs) reads
-its shard of the windows from Ray Data; every batch samples, per window, ``--cuts`` cut points
+its shard of the windows from Ray Data, 16 batches at a time, which it regroups into batches of
+windows of similar lengths (a batch pads to its longest window: on short histories with a long
+tail, mixed batches are mostly padding). Every batch samples, per window, ``--cuts`` cut points
 and ``--negatives`` negatives per cut (``models.batches``), and trains the MIS forward with
 softmax cross-entropy over each cut's candidates (positive first), plus, weighted by
 ``--catalog-weight``, the user token's softmax over the whole catalog for the next item after

@@ -109,3 +109,27 @@ def test_the_ramp_timeline_bins_requests_and_replica_readings_by_second():
     assert [r["scores_per_s"] for r in rows] == [200, 0, 100]
     assert [r["errors"] for r in rows] == [0, 1, 0]
     assert rows[0]["p99_ms"] == 29.8 and rows[1]["p99_ms"] is None
+
+
+def test_train_throughput_times_both_batchings_of_the_jobs_windows(tiny, tmp_path):
+    """benchmarks.train_throughput on the tiny dataset (id items: no vectors): a row per
+    dataset and label with both batchings, their real-token shares, and a second label kept."""
+    from benchmarks import train_throughput
+    from tests.tiny import TINY_MODEL
+
+    path = tmp_path / "throughput.json"
+    args = ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--item-input", "id"]
+    args += [*TINY_MODEL, "--batch-size", "4", "--max-len", "10", "--val-users", "8"]
+    for label in ("a", "b"):
+        train_throughput.main(["--steps", "3", "--label", label, "--json", str(path), *args])
+    report = json.loads(path.read_text())
+    assert [(r["dataset"], r["label"]) for r in report["rows"]] == [("tiny", "a"), ("tiny", "b")]
+    row = report["rows"][0]
+    for batching in ("mixed", "bucketed"):
+        figures = row[batching]
+        assert figures["steps"] == 3 and figures["windows_per_second"] > 0
+        assert 0 < figures["real_token_share"] <= 1
+        assert set(figures["phase_ms"]) == {"data", "forward", "backward", "optimizer"}
+    # grouping by length never computes more padding than batches of mixed lengths
+    assert row["bucketed"]["real_token_share"] >= row["mixed"]["real_token_share"]
+    assert row["validation"]["users"] == 8

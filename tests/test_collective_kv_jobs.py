@@ -163,8 +163,12 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     assert (
         len(user_a) == 100 and np.array_equal(user_a, user_b) and user_a.tolist() == sorted(user_a)
     )
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(xs_a, xs_b, strict=True))
-    assert worst < 1e-5, worst
+    # float32 rounding relative to the values' scale (the normed inputs reach tens)
+    worst = max(
+        float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
+        for a, b in zip(xs_a, xs_b, strict=True)
+    )
+    assert worst < 1e-5, (worst, [float(np.abs(b).max()) for b in xs_b])
     # what auto counts as the cached tokens there are is what a collection without a token cap
     # returns: every user's, or those of the seeded users --init-users samples
     for users in (0, 7):

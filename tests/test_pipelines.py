@@ -377,3 +377,22 @@ def test_whole_chain_on_s3(tiny, s3_bucket, ray_local, capsys):
     assert set(report["metrics"]) == {"ranker", "most_popular"}
     png = storage.read_file(ev["report"], "ndcg_by_history_length.png")
     assert png[:4] == b"\x89PNG"
+
+
+def test_a_runs_summary_says_why_it_stopped_and_whether_validation_was_still_rising():
+    tc = training.BaseTrainConfig(epochs=6, patience=2)
+
+    def run(scores):
+        history = [{"epoch": i, "val_ndcg10": s} for i, s in enumerate(scores)]
+        return training.convergence(history, tc, "val_ndcg10")
+
+    still = {"stopped_by": "epochs", "val_still_rising": True}
+    assert run([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]) == still
+    assert run([0.1, 0.3, 0.2, 0.2]) == {"stopped_by": "patience", "val_still_rising": False}
+    # a tie is not better (as the epoch loop counts it)
+    assert run([0.1, 0.3, 0.3, 0.3]) == {"stopped_by": "patience", "val_still_rising": False}
+    assert run([0.1, 0.2, 0.3]) == {"stopped_by": "max_minutes", "val_still_rising": True}
+    assert run([0.1, 0.3, 0.2, 0.4, 0.5, 0.45]) == {
+        "stopped_by": "epochs",
+        "val_still_rising": False,
+    }

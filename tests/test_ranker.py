@@ -500,3 +500,72 @@ def test_training_batch_positives_cuts_and_next_items_follow_the_window():
             t = int(cuts[g, 0])
             assert (cuts[g] == t).all() and 1 <= t <= n
             assert int(groups[g, 0]) == window[t]  # the positive is the item after the cut
+
+
+def test_length_buckets_cover_every_row_once_in_batches_of_similar_lengths():
+    import numpy as np
+
+    from models.batches import length_buckets
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 52, size=100)
+    batches = length_buckets(lengths, 8, rng)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(100))  # every row once
+    assert [len(b) for b in batches].count(8) == 12 and min(len(b) for b in batches) == 4
+    # a batch holds a contiguous run of the sorted lengths: no row outside its batch's range
+    spans = sorted((lengths[b].min(), lengths[b].max()) for b in batches)
+    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:], strict=False))
+    # the batches come in a seeded random order, not shortest first
+    again = length_buckets(lengths, 8, np.random.default_rng(1))
+    assert [b.tolist() for b in batches] != [b.tolist() for b in again]
+    firsts = [lengths[b].max() for b in batches]
+    assert firsts != sorted(firsts)
+
+
+def test_a_window_scores_the_same_in_a_batch_of_its_length_as_padded_beside_longer_ones():
+    """What grouping windows by length changes is only the padding: each window's candidate
+    scores and catalog logits are the ones it gets beside much longer windows."""
+    import numpy as np
+
+    from models.batches import length_buckets, training_batch
+
+    model = tiny_ranker()
+    rng = np.random.default_rng(4)
+    windows = [rng.integers(0, N_ITEMS, size=int(n)) for n in (2, 30, 3, 9, 31, 2, 4, 17)]
+    feedback = [rng.integers(0, 5, size=len(w)) for w in windows]
+    # fixed cut points and candidates per window, so both batchings score the same examples
+    cuts = [rng.integers(1, len(w), size=2) for w in windows]
+    cands = [
+        np.concatenate([w[t][:, None], rng.integers(0, N_ITEMS, (2, 3))], 1).reshape(-1)
+        for w, t in zip(windows, cuts, strict=True)
+    ]
+
+    def scored(idx):
+        tb = training_batch(
+            [windows[i] for i in idx],
+            [feedback[i] for i in idx],
+            rng,
+            n_items=N_ITEMS,
+            max_len=50,
+            cuts=2,
+            negatives=3,
+            windowed=True,
+            given=([cuts[i] for i in idx], [cands[i] for i in idx]),
+        )
+        rows = tb.next_vids >= 0
+        with torch.no_grad():
+            out = model(tb.history, tb.candidates, cut=tb.cut, catalog=rows)
+        logits = out.catalog.split(rows.sum(1).tolist())
+        return {i: (out.scores[j], logits[j]) for j, i in enumerate(idx)}, tb
+
+    mixed, mixed_tb = scored(list(range(len(windows))))
+    bucketed, widths = {}, []
+    for idx in length_buckets([len(w) for w in windows], 2, rng):
+        got, tb = scored(idx.tolist())
+        bucketed |= got
+        widths.append(tb.history.vids.shape[1])
+    for i in range(len(windows)):
+        assert_close(bucketed[i][0], mixed[i][0], atol=ATOL, rtol=0)
+        assert_close(bucketed[i][1], mixed[i][1], atol=ATOL, rtol=0)
+    # and the grouped batches compute far less padding than one batch of mixed lengths
+    assert sorted(widths) == [1, 3, 16, 30] and mixed_tb.history.vids.shape[1] == 30

@@ -59,6 +59,37 @@ def test_training_batch_takes_labelled_cuts_and_candidates_as_given():
         batch([1, 4])
 
 
+def test_labelled_rows_grouped_by_length_keep_their_cuts_candidates_and_logits():
+    """ranker_batches reorders a chunk of labelled rows into batches of similar lengths: each
+    window still comes with its own cut points, candidates and teacher logits."""
+    rng = np.random.default_rng(0)
+    lengths = [3, 9, 4, 8, 2, 7]
+    hist = [np.arange(10 * i, 10 * i + n) for i, n in enumerate(lengths)]
+    cuts = [np.array([1, n - 1]) for n in lengths]
+    cands = [np.concatenate([[h[1], 50, 51], [h[-1], 52, 53]]) for h in hist]
+    rows = {
+        "hist": hist,
+        "hist_fb": [np.zeros(n, dtype=np.int64) for n in lengths],
+        "cuts": cuts,
+        "candidates": cands,
+        "teacher_logits": [np.full(6, float(i)) for i in range(len(lengths))],
+    }
+    tc = ranker_training.TrainConfig(batch_size=2, cuts=2, negatives=2, max_len=10)
+    seen, pairs = [], set()
+    for tb in ranker_training.ranker_batches(rows, rng, tc, n_items=60):
+        assert len(tb.history.lengths) == 2
+        for b in range(2):
+            i = int(tb.teacher[b, 0])  # whose logits these are
+            n = int(tb.history.lengths[b])
+            assert tb.history.vids[b, :n].tolist() == hist[i][:-1].tolist()
+            assert tb.candidates[b].tolist() == cands[i].tolist()
+            assert tb.cut[b].tolist() == np.repeat(cuts[i], 3).tolist()
+            seen.append(i)
+        pairs.add(tuple(sorted(lengths[int(tb.teacher[b, 0])] for b in range(2))))
+    assert sorted(seen) == list(range(len(lengths)))
+    assert pairs == {(2, 3), (4, 7), (8, 9)}  # neighbours in length
+
+
 def test_a_sample_of_windows_keeps_each_windows_draws():
     seqs = pl.DataFrame(
         {

@@ -26,6 +26,7 @@ from models.errors import InputError
 from pipelines.common import cli, jobs
 from pipelines.common.training import (
     BaseTrainConfig,
+    convergence,
     epoch_shuffled,
     fit,
     open_file,
@@ -120,14 +121,86 @@ def checkpoint_uri(out: str, run: str) -> str:
 # ----------------------------------------------------------------------------- worker side
 
 
+def ranker_batches(rows: dict, rng, tc: TrainConfig, n_items: int):
+    """A chunk of training rows as ``TrainBatch``es of ``tc.batch_size`` windows of similar
+    lengths (``models.batches.length_buckets``): each row's window is sampled first (a teacher's
+    labelled window is taken whole, with its cut points, candidates and logits), then the
+    windows are grouped by length, so a batch pads to about its own windows' length."""
+    from models.batches import length_buckets, sample_window, training_batch
+
+    labelled = "teacher_logits" in rows
+    if labelled:
+        windows = list(zip(rows["hist"], rows["hist_fb"], strict=True))
+    else:
+        windows = [
+            sample_window(v, f, rng, tc.max_len)
+            for v, f in zip(rows["hist"], rows["hist_fb"], strict=True)
+        ]
+    for idx in length_buckets([len(w[0]) for w in windows], tc.batch_size, rng):
+        yield training_batch(
+            [windows[i][0] for i in idx],
+            [windows[i][1] for i in idx],
+            rng,
+            n_items=n_items,
+            max_len=tc.max_len,
+            cuts=tc.cuts,
+            negatives=tc.negatives,
+            windowed=True,
+            given=([rows["cuts"][i] for i in idx], [rows["candidates"][i] for i in idx])
+            if labelled
+            else None,
+            teacher=np.stack([rows["teacher_logits"][i] for i in idx]) if labelled else None,
+        )
+
+
+def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tensor, dict]:
+    """The ranker's loss on one ``TrainBatch``: softmax over each cut's candidates, the user
+    token's catalog softmax, distillation from teacher labels and from the frozen ``base``, and
+    the CollectiveKV routers' aux loss (minimised, not reported in "loss")."""
+    from models.ranker import distillation_loss, ranking_loss
+
+    h = tb.history
+    h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
+    catalog = tc.catalog_weight > 0
+    next_vids = tb.next_vids.to(dev)
+    rows = next_vids >= 0 if catalog else False  # logits only where a next item is
+    out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+    scores = out.scores.view(-1, 1 + tc.negatives)
+    loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
+    if catalog:
+        loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
+            out.catalog, next_vids[rows]
+        )
+    distill = torch.zeros((), device=dev)
+    if tb.teacher is not None and tc.distill_weight > 0:
+        teacher = tb.teacher.to(dev)
+        distill = distillation_loss(
+            scores, teacher.view(-1, 1 + tc.negatives), tc.distill_temperature
+        )
+        loss = loss + tc.distill_weight * distill
+    if base is not None:
+        with torch.no_grad():
+            ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+        t = tc.distill_temperature
+        distill = distillation_loss(scores, ref.scores.view(-1, 1 + tc.negatives), t)
+        if catalog:
+            distill = distill + distillation_loss(out.catalog, ref.catalog, t)
+        loss = loss + tc.base_distill_weight * distill
+    parts = {
+        "loss": loss.item(),
+        "aux_loss": out.aux_loss.detach().item(),
+        "distill_loss": distill.item(),
+    }
+    return loss + out.aux_loss, parts
+
+
 def train_loop(config: dict) -> None:
     """Runs on every Ray Train worker."""
     import ray.train
     import ray.train.torch
 
     from artifacts.data import load_checkpoint
-    from models.batches import training_batch
-    from models.ranker import Ranker, distillation_loss, ranking_loss
+    from models.ranker import Ranker
 
     jobs.setup_logging()  # this worker's progress lines
     tc = TrainConfig(**config["train"])
@@ -179,54 +252,8 @@ def train_loop(config: dict) -> None:
         if rank == 0:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
 
-    def step(batch: dict, rng) -> tuple[torch.Tensor, dict[str, float]]:
-        """The ranker's loss on one batch: softmax over each cut's candidates, the user token's
-        catalog softmax, distillation from teacher labels and from the frozen base, and the
-        CollectiveKV routers' aux loss (minimised, not reported in "loss")."""
-        labelled = "teacher_logits" in batch
-        tb = training_batch(
-            list(batch["hist"]),
-            list(batch["hist_fb"]),
-            rng,
-            n_items=n_items,
-            max_len=tc.max_len,
-            cuts=tc.cuts,
-            negatives=tc.negatives,
-            given=(list(batch["cuts"]), list(batch["candidates"])) if labelled else None,
-        )
-        h = tb.history
-        h = type(h)(h.vids.to(dev), h.feedback.to(dev), h.lengths.to(dev))
-        catalog = tc.catalog_weight > 0
-        next_vids = tb.next_vids.to(dev)
-        rows = next_vids >= 0 if catalog else False  # logits only where a next item is
-        out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
-        scores = out.scores.view(-1, 1 + tc.negatives)
-        loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
-        if catalog:
-            loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
-                out.catalog, next_vids[rows]
-            )
-        distill = torch.zeros((), device=dev)
-        if labelled and tc.distill_weight > 0:
-            teacher = torch.as_tensor(np.stack(batch["teacher_logits"]), device=dev)
-            distill = distillation_loss(
-                scores, teacher.view(-1, 1 + tc.negatives), tc.distill_temperature
-            )
-            loss = loss + tc.distill_weight * distill
-        if base is not None:
-            with torch.no_grad():
-                ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
-            t = tc.distill_temperature
-            distill = distillation_loss(scores, ref.scores.view(-1, 1 + tc.negatives), t)
-            if catalog:
-                distill = distill + distillation_loss(out.catalog, ref.catalog, t)
-            loss = loss + tc.base_distill_weight * distill
-        parts = {
-            "loss": loss.item(),
-            "aux_loss": out.aux_loss.detach().item(),
-            "distill_loss": distill.item(),
-        }
-        return loss + out.aux_loss, parts
+    def step(tb, rng) -> tuple[torch.Tensor, dict[str, float]]:
+        return ranker_loss(model, tb, tc, dev, base)
 
     def validation(validated: torch.nn.Module) -> dict[str, float]:
         if not val:
@@ -242,6 +269,7 @@ def train_loop(config: dict) -> None:
         world=world,
         state=state,
         step=step,
+        batches=lambda rows, rng: ranker_batches(rows, rng, tc, n_items),
         validate=validation,
         score="val_ndcg10",
         average=average,
@@ -370,10 +398,17 @@ def train(
         "val_ndcg10": round(best["val_ndcg10"], 4),
         "val_hr10": round(best["val_hr10"], 4),
         "last_epoch": last["epoch"],
+        **convergence(history, tc, "val_ndcg10"),
         "mean_epoch_seconds": round(float(np.mean([h["epoch_seconds"] for h in history])), 1),
         "workers": tc.workers,
         "checkpoint": root,
     }
+    if summary["val_still_rising"]:
+        log.warning(
+            "validation NDCG@10 was still rising at the last epoch (stopped by %s): more "
+            "epochs (--epochs, --max-minutes) would likely train a better ranker",
+            summary["stopped_by"],
+        )
     if "start_val_ndcg10" in history[0]:  # a fine-tune's starting weights, validated
         summary["start_val_ndcg10"] = round(history[0]["start_val_ndcg10"], 4)
     try:

@@ -17,7 +17,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,8 @@ def open_file(folder: str, name: str) -> io.BytesIO:
 RUN_NAME = "run"  # Ray Train's run folder under <train_root>: one per training run
 KEEP_CHECKPOINTS = 2  # the best epochs Ray Train keeps (by the score), besides the latest
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's checkpoints
+# batches a worker reads at once when a trainer groups its rows into batches (by length)
+BUCKET_BATCHES = 16
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,22 @@ def epoch_line(metrics: dict) -> str:
     return f"{metrics['epoch']}: " + ", ".join(parts) + seconds
 
 
+def convergence(history: list[dict], tc: BaseTrainConfig, score: str) -> dict:
+    """Why a run stopped, read from its epochs' metrics: "patience" (``tc.patience`` epochs
+    without a better ``score``: validation had stopped rising), "epochs" (``tc.epochs`` done) or
+    "max_minutes" (the wall-clock cap); and whether its last epoch was its best, i.e. validation
+    was still rising when it stopped and more epochs would likely have trained a better model."""
+    best_at = max(range(len(history)), key=lambda i: history[i][score])  # the first best
+    since = len(history) - 1 - best_at
+    if since >= tc.patience:
+        stopped = "patience"
+    elif history[-1]["epoch"] + 1 >= tc.epochs:
+        stopped = "epochs"
+    else:
+        stopped = "max_minutes"
+    return {"stopped_by": stopped, "val_still_rising": since == 0}
+
+
 def out_of_time(started: float, max_minutes: float, world: int) -> bool:
     """Worker side: whether the wall-clock cap has passed, agreed by all workers (the max), so
     every worker stops after the same epoch."""
@@ -299,9 +317,10 @@ def train_epochs(
     rank: int,
     world: int,
     state: dict | None,
-    step: Callable[[dict, Any], tuple[Any, dict[str, float]]],
+    step: Callable[[Any, Any], tuple[Any, dict[str, float]]],
     validate: Callable[[Any], dict[str, float]],
     score: str,
+    batches: Callable[[dict, Any], Iterable[Any]] | None = None,
     average=None,
     train_mode: bool = True,
     log_every: int = 200,
@@ -312,7 +331,9 @@ def train_epochs(
     checkpoint, or None) to the last epoch:
 
     - each epoch reads this worker's shard of the training rows in a seeded local shuffle;
-      ``step(batch, rng)`` returns the loss to minimise and the named terms to report (their
+      with ``batches``, in chunks of ``BUCKET_BATCHES`` batches that ``batches(rows, rng)`` cuts
+      into the step's batches (the ranker's: windows of similar lengths); ``step(batch, rng)``
+      returns the loss to minimise and the named terms to report (their
       epoch means; ``"loss"``, the labels' loss, is averaged over every worker), and the
       optimizer steps on it with the gradient norm clipped at 1 (``--max-steps`` caps the
       steps); ``average`` (an EMA of the weights, or None) follows every step;
@@ -335,25 +356,30 @@ def train_epochs(
         rng = np.random.default_rng([tc.seed, epoch, rank])
         terms: dict[str, list[float]] = {}
         steps = 0
-        for batch in shard.iter_batches(
-            batch_size=tc.batch_size,
+        chunk = tc.batch_size * (BUCKET_BATCHES if batches is not None else 1)
+        for rows in shard.iter_batches(
+            batch_size=chunk,
             batch_format="numpy",
-            local_shuffle_buffer_size=4 * tc.batch_size,
+            local_shuffle_buffer_size=max(4 * tc.batch_size, chunk),
             local_shuffle_seed=tc.seed + epoch,
         ):
-            loss, parts = step(batch, rng)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if average is not None:
-                average.update_parameters(unwrap(model))
-            for name, value in parts.items():
-                terms.setdefault(name, []).append(value)
-            steps += 1
-            if rank == 0 and steps % log_every == 0:  # progress within long epochs
-                log.info("epoch %d step %d loss %.4f", epoch, steps, float(np.mean(terms["loss"])))
-            if steps == tc.max_steps:  # every worker stops at the same count (DDP stays paired)
+            for batch in batches(rows, rng) if batches is not None else [rows]:
+                loss, parts = step(batch, rng)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                if average is not None:
+                    average.update_parameters(unwrap(model))
+                for name, value in parts.items():
+                    terms.setdefault(name, []).append(value)
+                steps += 1
+                if rank == 0 and steps % log_every == 0:  # progress within long epochs
+                    loss_now = float(np.mean(terms["loss"]))
+                    log.info("epoch %d step %d loss %.4f", epoch, steps, loss_now)
+                if steps == tc.max_steps:  # every worker stops at the same count (DDP paired)
+                    break
+            if steps == tc.max_steps:
                 break
         train_seconds = time.perf_counter() - t0
         figures = validate(model if average is None else average.module)
