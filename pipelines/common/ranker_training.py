@@ -164,7 +164,8 @@ def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tenso
     catalog = tc.catalog_weight > 0
     next_vids = tb.next_vids.to(dev)
     rows = next_vids >= 0 if catalog else False  # logits only where a next item is
-    out = model(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+    cands, cut = tb.candidates.to(dev), tb.cut.to(dev)
+    out = model(h, cands, cut=cut, catalog=rows)
     scores = out.scores.view(-1, 1 + tc.negatives)
     loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
     if catalog:
@@ -180,7 +181,7 @@ def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tenso
         loss = loss + tc.distill_weight * distill
     if base is not None:
         with torch.no_grad():
-            ref = base(h, tb.candidates.to(dev), cut=tb.cut.to(dev), catalog=rows)
+            ref = base(h, cands, cut=cut, catalog=rows)
         t = tc.distill_temperature
         distill = distillation_loss(scores, ref.scores.view(-1, 1 + tc.negatives), t)
         if catalog:
