@@ -56,6 +56,25 @@ def user_sequences(dataset_uri: str) -> pl.DataFrame:
     )
 
 
+def held_out_vids(dataset_uri: str) -> np.ndarray:
+    """The vids of a dataset's held-out (new) items (``prepare_data --holdout-items``), sorted;
+    empty for a dataset without them. Training never draws one as a negative or scores one in
+    its catalog softmax; evaluate reports the users whose test item is one of them."""
+    marker = storage.read_marker(dataset_uri)
+    if not marker.get("held_out_items"):
+        return np.zeros(0, dtype=np.int64)
+    held = pl.from_arrow(storage.read_table(dataset_uri, "held_out.parquet", marker=marker))
+    items = read_dataset_table(dataset_uri, "items").select("item_id", "vid")
+    vids = items.join(held, on="item_id", how="semi")["vid"].to_numpy().astype(np.int64)
+    return np.sort(vids)
+
+
+def negative_pool(held_out: np.ndarray, n_items: int) -> np.ndarray | None:
+    """The vids a training job draws negatives from: the catalog without ``held_out`` (None:
+    the whole catalog, drawn without a lookup)."""
+    return np.setdiff1d(np.arange(n_items), held_out) if len(held_out) else None
+
+
 def item_titles(dataset_uri: str) -> list[str]:
     """Each item's title by vid (the text the teacher reads); ``text`` where a catalog has no
     title column."""

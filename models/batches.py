@@ -33,6 +33,8 @@ class TrainBatch:
     groups: int  # C: cut points per user; scores.view(B, C, 1 + K), label 0
     next_vids: Tensor  # (B, T): the item after the first t + 1 history items; -100 = padding
     teacher: Tensor | None = None  # (B, C * (1 + K)) a teacher's logits of the candidates
+    folds: Tensor | None = None  # (B,) which out-of-fold prior scores each window (training
+    # complementary to the item prior)
 
 
 def _pad(rows: list[np.ndarray], fill: int) -> Tensor:
@@ -70,12 +72,17 @@ def sample_candidates(
     n_items: int,
     cuts: int,
     negatives: int,
+    pool: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``cuts`` cut points t in 1..len-1 (with replacement for short windows) and, per cut, the
-    positive window[t] followed by ``negatives`` items drawn uniformly from the catalog.
+    positive window[t] followed by ``negatives`` items drawn uniformly from the catalog, or
+    from the vids in ``pool`` (a catalog without its held-out items).
     Returns (t (cuts,), candidates (cuts, 1 + negatives))."""
     t = rng.integers(1, len(window), size=cuts)
-    neg = rng.integers(0, n_items, size=(cuts, negatives))
+    if pool is None:
+        neg = rng.integers(0, n_items, size=(cuts, negatives))
+    else:
+        neg = pool[rng.integers(0, len(pool), size=(cuts, negatives))]
     return t, np.concatenate([window[t][:, None], neg], axis=1)
 
 
@@ -101,13 +108,17 @@ def training_batch(
     windowed: bool = False,
     given: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
     teacher: np.ndarray | None = None,
+    pool: np.ndarray | None = None,
+    folds: np.ndarray | None = None,
 ) -> TrainBatch:
     """Sample windows, cut points and negatives for a batch of users (sequences of >= 2 items).
     Negatives are uniform over the catalog. ``windowed``: the sequences are windows already
     (``sample_window``'s), used whole. ``given``: fixed
     (cut points (cuts,), candidates (cuts, 1 + negatives)) per sequence instead - the examples
     a teacher labelled; the sequences are then used whole, as the windows they were cut for;
-    ``teacher``: the teacher's logits of those candidates, (B, cuts * (1 + negatives))."""
+    ``teacher``: the teacher's logits of those candidates, (B, cuts * (1 + negatives));
+    ``pool``: the vids negatives are drawn from (default: the whole catalog); ``folds``: each
+    sequence's prior fold (B,), passed through."""
     win_v, win_f, cand_rows, cut_rows, next_rows = [], [], [], [], []
     k = 1 + negatives
     for i, (v, f) in enumerate(zip(vids, feedback, strict=True)):
@@ -116,7 +127,9 @@ def training_batch(
                 wv, wf = np.asarray(v), np.asarray(f)
             else:
                 wv, wf = sample_window(v, f, rng, max_len)
-            t, cands = sample_candidates(wv, rng, n_items=n_items, cuts=cuts, negatives=negatives)
+            t, cands = sample_candidates(
+                wv, rng, n_items=n_items, cuts=cuts, negatives=negatives, pool=pool
+            )
         else:
             wv, wf = np.asarray(v), np.asarray(f)
             t, cands = np.asarray(given[0][i]), np.asarray(given[1][i]).reshape(cuts, k)
@@ -138,4 +151,5 @@ def training_batch(
         cuts,
         _pad(next_rows, -100),
         None if teacher is None else torch.as_tensor(teacher, dtype=torch.float32),
+        None if folds is None else torch.as_tensor(np.asarray(folds), dtype=torch.long),
     )

@@ -202,6 +202,13 @@ class RankerConfig(_JsonConfig):
         "vectors plus a learned per-item residual starting at zero (unseen items: text alone)",
         choices=ITEM_INPUTS,
     )
+    # trained complementary to the item prior: the prior's score is an offset on every logit,
+    # so the ranker learns what the prior misses; the weight is the model's, not picked after
+    prior_weight: float = option(
+        0.0,
+        "the item prior's weight in every score at the start of training with --item-prior, "
+        "learned from there (0: a ranker trained without the prior)",
+    )
 
     def __post_init__(self) -> None:
         c = "RankerConfig"
@@ -231,6 +238,7 @@ class RankerConfig(_JsonConfig):
             f"feedback_classes must be >= 0, got {self.feedback_classes}",
         )
         _check(0.0 <= self.dropout < 1.0, c, f"dropout must be in [0, 1), got {self.dropout}")
+        _check(self.prior_weight >= 0, c, f"prior_weight must be >= 0, got {self.prior_weight}")
         _check(
             self.item_input in ITEM_INPUTS,
             c,

@@ -190,6 +190,59 @@ class ItemPrior:
         return out
 
 
+def prefix_scores(
+    index: Tensor,
+    weight: Tensor,
+    cfg: PriorConfig,
+    vids: Tensor,
+    rows: Tensor,
+    folds: Tensor | None = None,
+) -> Tensor:
+    """The prior's score of every item after each wanted history prefix, as
+    ``ItemPrior.scores`` reads a history, for a whole batch at once: vids (B, T) right-padded
+    with -1, rows (B, T) bool (the prefix ending at position p, for each true (b, p)) ->
+    (R, N) in row-major order of the R true positions. index/weight (F, N, K) stack F priors of
+    one config; ``folds`` (B,) says which one each history reads (None: the first)."""
+    b, p = rows.nonzero(as_tuple=True)
+    k = torch.arange(cfg.recent, device=vids.device)
+    pos = p[:, None] - k[None, :]  # (R, recent): newest first
+    items = vids[b[:, None], pos.clamp(min=0)]
+    live = (pos >= 0) & (items >= 0)
+    items = items.clamp(min=0)
+    f = (folds[b] if folds is not None else torch.zeros_like(b))[:, None]
+    votes = cfg.decay ** k.to(weight.dtype) * live  # (R, recent)
+    w = weight[f, items] * votes[..., None]  # (R, recent, K)
+    out = torch.zeros(len(b), index.shape[1], dtype=weight.dtype, device=weight.device)
+    return out.scatter_add_(1, index[f, items].reshape(len(b), -1).long(), w.reshape(len(b), -1))
+
+
+@dataclass(frozen=True)
+class StackedPriors:
+    """F priors of one config stacked for ``prefix_scores``: what training reads its offsets
+    from, each user's windows scored by a prior fitted without that user (their fold's)."""
+
+    index: Tensor  # (F, N, K) int32
+    weight: Tensor  # (F, N, K) float32
+    cfg: PriorConfig
+
+    @classmethod
+    def of(cls, priors: list[ItemPrior]) -> StackedPriors:
+        return cls(
+            torch.stack([p.index for p in priors]),
+            torch.stack([p.weight for p in priors]),
+            priors[0].cfg,
+        )
+
+    def to(self, device) -> StackedPriors:
+        return StackedPriors(self.index.to(device), self.weight.to(device), self.cfg)
+
+    def prior(self, f: int) -> ItemPrior:
+        return ItemPrior(self.index[f].cpu(), self.weight[f].cpu(), self.cfg)
+
+    def prefix_scores(self, vids: Tensor, rows: Tensor, folds: Tensor | None = None) -> Tensor:
+        return prefix_scores(self.index, self.weight, self.cfg, vids, rows, folds)
+
+
 # the prior's weights tried against the ranker's score on validation: the fused score is
 # ranker + weight * prior, raw, so that any subset of the catalog (a request's candidates)
 # ranks as it would in the whole catalog; the grid is log-spaced (x2-2.5 a step) because the

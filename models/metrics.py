@@ -31,6 +31,15 @@ def summarize(ranks) -> dict[str, float]:
     return {"ndcg10": float(ndcg_at_k(r).mean()), "hr10": float(hit_at_k(r).mean())}
 
 
+def ndcg_se(ranks, paired=None) -> float:
+    """The standard error of a mean NDCG@10 over users; with ``paired`` (another model's ranks
+    of the same users, in the same order), of the mean per-user difference ranks - paired."""
+    nd = ndcg_at_k(torch.as_tensor(ranks))
+    if paired is not None:
+        nd = nd - ndcg_at_k(torch.as_tensor(paired))
+    return float(nd.std() / math.sqrt(len(nd))) if len(nd) > 1 else float("nan")
+
+
 @torch.no_grad()
 def full_catalog_ranks(
     model: Ranker,
@@ -81,10 +90,16 @@ def dot_catalog_ranks(
     user token only). The cheap proxy training validates every user with; the MIS head's part
     is left out, so these ranks are not the served ones. ``tokens``: ``model.catalog_tokens()``
     when the caller ranks many batches with one model (computed here otherwise)."""
-    cache = _cache(model, history)
+    return ranks_from_scores(dot_catalog_scores(model, history, tokens), targets, exclude)
+
+
+@torch.no_grad()
+def dot_catalog_scores(
+    model: Ranker, history: History | Cache, tokens: Tensor | None = None
+) -> Tensor:
+    """What ``dot_catalog_ranks`` ranks: <u, item token> for every item, (B, n_items)."""
     tokens = model.catalog_tokens() if tokens is None else tokens
-    scores = model.user_vector(cache) @ tokens.T
-    return ranks_from_scores(scores, targets, exclude)
+    return model.user_vector(_cache(model, history)) @ tokens.T
 
 
 def ranks_from_scores(scores: Tensor, targets: Tensor, exclude: list[Tensor]) -> Tensor:

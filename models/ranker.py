@@ -164,12 +164,23 @@ class Ranker(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, 1)
         self.drop = nn.Dropout(cfg.dropout)
+        # the item prior's weight, prior_weight * exp(prior_gain): learned as a log-gain, so one
+        # step moves it by a share of itself at any scale
+        self.prior_gain = nn.Parameter(torch.zeros(())) if cfg.prior_weight > 0 else None
         self._rope_table: dict[tuple, tuple[Tensor, Tensor]] = {}
         # Embeddings start small, like the item tokens they are added to: at nn.Embedding's
         # default N(0, 1) the feedback term would drown which item a token is.
         for emb in (self.feedback_emb, self.item_emb):
             if emb is not None:
                 nn.init.normal_(emb.weight, std=0.02)
+
+    @property
+    def prior_weight(self) -> Tensor | None:
+        """The item prior's weight in this ranker's score (None: trained without the prior):
+        the served score is ``score + prior_weight * prior``, the fusion it was trained as."""
+        if self.prior_gain is None:
+            return None
+        return self.cfg.prior_weight * self.prior_gain.exp()
 
     def compressed_kv_parameters(self) -> list[str]:
         """Names of the compressed cache's parameters: the CollectiveKV routers, pools and user

@@ -23,10 +23,15 @@ test item is ranked (a) against the full catalog minus the items already in that
   through the state-store interface as serving reads them; a user with events applied since
   the states were built is refused (their history is no longer the protocol's test input).
 
+Beside the catalog-wide figures, the report gives each model's NDCG@10 by the test item's
+popularity in the training inputs (``by_item_popularity``: the long tail), and, on a dataset
+prepared with ``--holdout-items``, over the users whose test item is a held-out new item, one
+no model trained on (``new_items``; up to ``--max-users`` more users are evaluated for it).
+
 Users are scored by a Ray Data actor pool, each actor holding the model and the item table;
 ``--max-users`` evaluates a fixed random sample (seeded) when the full catalog times all users
 is too much for the machine. Writes ``<out>/reports/<report>/``: metrics.json, per_user.parquet,
-ndcg_by_history_length.png, _SUCCESS.json.
+ndcg_by_history_length.png, ndcg_by_item_popularity.png, _SUCCESS.json.
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ import polars as pl
 import pyarrow as pa
 
 from artifacts import storage
-from artifacts.data import user_sequences
+from artifacts.data import held_out_vids, user_sequences
 from models.errors import InputError
-from models.metrics import summarize
+from models.metrics import ndcg_se, summarize
 from pipelines.common import cli, jobs
 from pipelines.common.ranker_actors import map_with_rankers
 from pipelines.common.scoring import ScoreUsers
@@ -54,33 +59,52 @@ log = logging.getLogger("kvrank.evaluate")
 LENGTH_BUCKETS = (0, 5, 10, 20, 50, 100, 200, 500, 10**9)
 
 
-def eval_users(dataset_uri: str, max_users: int | None, seed: int) -> pl.DataFrame:
-    """Test inputs: history + validation item (with feedback), target = test item."""
+def eval_users(
+    dataset_uri: str, max_users: int | None, seed: int, held_out: np.ndarray | None = None
+) -> pl.DataFrame:
+    """Test inputs: history + validation item (with feedback), target = test item.
+    ``in_sample``: the seeded sample of ``max_users`` (every user without it); with
+    ``held_out`` (a dataset's new items) the users whose test item is one of them join it, up
+    to ``max_users`` of them more (seeded), so new items are measured on as many users as the
+    catalog-wide figures, which stay over the sample alone."""
     seqs = user_sequences(dataset_uri)
-    if max_users and max_users < seqs.height:
-        pick = np.sort(
-            np.random.default_rng(seed).choice(seqs.height, size=max_users, replace=False)
-        )
-        seqs = seqs[pick]
+
+    def sample(idx: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        if max_users and max_users < len(idx):
+            return np.sort(rng.choice(idx, size=max_users, replace=False))
+        return idx
+
+    rows = sample(np.arange(seqs.height), np.random.default_rng(seed))
+    in_sample = np.ones(len(rows), dtype=bool)
+    if held_out is not None and len(held_out):
+        new = np.flatnonzero(np.isin(seqs["test"].to_numpy(), held_out))
+        extra = np.setdiff1d(sample(new, np.random.default_rng([seed, 1])), rows)
+        rows = np.concatenate([rows, extra])
+        in_sample = np.concatenate([in_sample, np.zeros(len(extra), dtype=bool)])
+        order = np.argsort(rows)
+        rows, in_sample = rows[order], in_sample[order]
+    seqs = seqs[rows]
     return seqs.select(
         "user_id",
         pl.concat_list("hist", pl.col("valid")).alias("input"),
         pl.concat_list("hist_fb", pl.col("valid_fb")).alias("input_fb"),
         "test",
         "negatives",
-    )
+    ).with_columns(pl.Series("in_sample", in_sample))
 
 
-def popular_ranks(
-    users: pl.DataFrame, n_items: int, counted: pl.DataFrame | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Most-popular baseline for ``users``: items by their count in ``counted``'s inputs (all
-    users' histories + validation items; ``users`` themselves when not given), ranked like the
-    model's (ties, e.g. among the many items of equal small counts, count against the target)."""
-    counted = users if counted is None else counted
-    counts = np.bincount(np.concatenate(counted["input"].to_list()), minlength=n_items).astype(
+def input_counts(users: pl.DataFrame, n_items: int) -> np.ndarray:
+    """How many times each vid occurs in ``users``' inputs (histories + validation items): an
+    item's popularity in everything a model learns from."""
+    return np.bincount(np.concatenate(users["input"].to_list()), minlength=n_items).astype(
         np.float64
     )
+
+
+def popular_ranks(users: pl.DataFrame, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Most-popular baseline for ``users``: items by ``counts`` (``input_counts`` of every
+    user), ranked like the model's (ties, e.g. among the many items of equal small counts,
+    count against the target)."""
     sorted_counts = np.sort(counts)
     full, sampled = [], []
     for inp, t, neg in zip(
@@ -92,6 +116,49 @@ def popular_ranks(
         full.append(at_least - int((counts[seen[seen != t]] >= c).sum()))
         sampled.append(int((counts[np.asarray(neg)] >= c).sum()))
     return np.array(full), np.array(sampled)
+
+
+# lower edges of the test item's popularity buckets (its count in all users' inputs); the first
+# bucket, 0, is the items no model learned from: held-out new items, or items seen only as tests
+POPULARITY_EDGES = (0, 1, 5, 20, 100, 500)
+
+
+def popularity_labels() -> list[str]:
+    lows, highs = POPULARITY_EDGES, (*POPULARITY_EDGES[1:], None)
+    return [
+        str(lo) if hi == lo + 1 else f"{lo}+" if hi is None else f"{lo}-{hi - 1}"
+        for lo, hi in zip(lows, highs, strict=True)
+    ]
+
+
+def by_popularity(per_user: pl.DataFrame, models: list[str]) -> dict:
+    """Full-catalog NDCG@10 of each model over the users whose test item falls in each
+    popularity bucket (the long tail on the left), for the buckets that have users."""
+    bucket = np.digitize(per_user["test_popularity"].to_numpy(), POPULARITY_EDGES[1:])
+    present = sorted(set(bucket.tolist()))
+    labels = popularity_labels()
+    return {
+        "bucket": [labels[b] for b in present],
+        "users": [int((bucket == b).sum()) for b in present],
+        "ndcg10": {
+            m: [
+                round(summarize(per_user[f"{m}_full_rank"].to_numpy()[bucket == b])["ndcg10"], 4)
+                for b in present
+            ]
+            for m in models
+        },
+    }
+
+
+def new_item_metrics(per_user: pl.DataFrame, models: list[str]) -> dict:
+    """Each model over the users whose test item is a held-out new item (full catalog), with
+    the standard error of its NDCG@10."""
+    new = per_user.filter("new_item")
+    out: dict = {"users": new.height}
+    for m in models:
+        ranks = new[f"{m}_full_rank"].to_numpy()
+        out[m] = {**summarize(ranks), "ndcg10_se": ndcg_se(ranks)}
+    return out
 
 
 def check_stored_histories(users: pl.DataFrame, source: str, events_possible: bool) -> None:
@@ -118,27 +185,32 @@ def check_stored_histories(users: pl.DataFrame, source: str, events_possible: bo
 
 
 def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [
         f"{lo + 1}-{hi}" if hi < 10**9 else f">{lo}"
         for lo, hi in zip(LENGTH_BUCKETS, LENGTH_BUCKETS[1:], strict=False)
     ]
     bucket = np.digitize(per_user["input_length"].to_numpy(), LENGTH_BUCKETS[1:-1], right=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
     present = sorted(set(bucket.tolist()))
-    for m in models:
-        ranks = per_user[f"{m}_full_rank"].to_numpy()
-        ax.plot(
-            [labels[b] for b in present],
-            [summarize(ranks[bucket == b])["ndcg10"] for b in present],
-            marker="o",
-            label=m,
-        )
-    ax.set_xlabel("history length (items)")
+    series = {
+        m: [
+            summarize(per_user[f"{m}_full_rank"].to_numpy()[bucket == b])["ndcg10"] for b in present
+        ]
+        for m in models
+    }
+    return plot_lines([labels[b] for b in present], series, "history length (items)")
+
+
+def plot_lines(labels: list[str], series: dict[str, list[float]], xlabel: str) -> bytes:
+    """A PNG of each model's full-catalog NDCG@10 over the buckets ``labels``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m, values in series.items():
+        ax.plot(labels, values, marker="o", label=m)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("full-catalog NDCG@10")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -204,7 +276,8 @@ def evaluate(
 
     t0 = time.perf_counter()
     dataset_uri = storage.pinned(dataset_uri)
-    users = eval_users(dataset_uri, max_users, seed)
+    held = held_out_vids(dataset_uri)
+    users = eval_users(dataset_uri, max_users, seed, held)
     states_manifest, states_table, store_uri = None, None, None
     if user_states:
         from artifacts.state_store import is_store, read_served
@@ -237,12 +310,22 @@ def evaluate(
     marker = storage.read_marker(dataset_uri)
     ckpt_marker = storage.read_marker(checkpoint)
     n_items = int(marker["items"])
+    trained_weight = None
+    if ckpt_marker.get("item_prior"):  # trained complementary to a prior: fused as trained
+        if item_prior and item_prior != ckpt_marker["item_prior"]:
+            raise InputError(
+                f"{checkpoint} was trained complementary to the prior "
+                f"{ckpt_marker['item_prior']}, not {item_prior}: evaluate it with its own"
+            )
+        item_prior, trained_weight = ckpt_marker["item_prior"], ckpt_marker["prior_weight"]
     if int(ckpt_marker["n_items"]) != n_items:
         raise InputError(
             f"{checkpoint} was trained on {ckpt_marker['n_items']} items, "
             f"{dataset_uri} has {n_items}"
         )
-    per_user = users.select("user_id", pl.col("input").list.len().alias("input_length"))
+    per_user = users.select(
+        "user_id", "in_sample", pl.col("input").list.len().alias("input_length")
+    )
     if states_table is not None:
         stored = pl.from_arrow(states_table)
         missing = users.join(stored.select("user_id"), on="user_id", how="anti").height
@@ -286,20 +369,29 @@ def evaluate(
             item_prior,
             actors,
             from_states=states_table is not None,
+            trained_weight=trained_weight,
         )
     # popularity counts every user's input, not only the sampled ones'
-    pf, ps = popular_ranks(users, n_items, eval_users(dataset_uri, None, seed))
+    counts = input_counts(eval_users(dataset_uri, None, seed), n_items)
+    pf, ps = popular_ranks(users, counts)
+    test = users["test"].to_numpy()
     per_user = per_user.with_columns(
-        pl.Series("most_popular_full_rank", pf), pl.Series("most_popular_sampled_rank", ps)
+        pl.Series("most_popular_full_rank", pf),
+        pl.Series("most_popular_sampled_rank", ps),
+        pl.Series("test_popularity", counts[test].astype(np.int64)),
+        pl.Series("new_item", np.isin(test, held)),
     )
     names = [*models, *(["item_prior", "ranker_prior"] if fusion else []), "most_popular"]
+    sample = per_user.filter("in_sample")  # the catalog-wide figures: the seeded sample alone
     metrics = {
         m: {
-            "full": summarize(per_user[f"{m}_full_rank"].to_numpy()),
-            "sampled": summarize(per_user[f"{m}_sampled_rank"].to_numpy()),
+            "full": summarize(sample[f"{m}_full_rank"].to_numpy()),
+            "sampled": summarize(sample[f"{m}_sampled_rank"].to_numpy()),
         }
         for m in names
     }
+    long_tail = by_popularity(sample, names)
+    new_items = new_item_metrics(per_user, names) if len(held) else None
     if fusion:
         metrics["ranker_prior"]["fusion"] = fusion
     if teacher:
@@ -320,7 +412,9 @@ def evaluate(
         per_user = per_user.join(
             ranks.rename({"sampled_rank": "teacher_sampled_rank"}), on="user_id", how="left"
         )
-        metrics["teacher"] = {"sampled": summarize(per_user["teacher_sampled_rank"].to_numpy())}
+        metrics["teacher"] = {
+            "sampled": summarize(per_user.filter("in_sample")["teacher_sampled_rank"].to_numpy())
+        }
     report = report or (
         storage.name_of(user_states) + ("-store" if store_uri else "-states")
         if user_states
@@ -330,7 +424,7 @@ def evaluate(
     summary = {
         "job": "evaluate",
         "dataset": marker["name"],
-        "users": users.height,
+        "users": sample.height,
         "items": n_items,
         **{
             f"{m}_{p}_{k}": round(v, 4)
@@ -343,6 +437,10 @@ def evaluate(
     }
     if fusion:
         summary["fusion_weight"] = fusion["weight"]
+    summary["by_item_popularity"] = long_tail
+    if new_items:
+        summary["new_item_users"] = new_items["users"]
+        summary |= {f"{m}_new_full_ndcg10": round(new_items[m]["ndcg10"], 4) for m in names}
     if store_uri:
         summary["store_uri"] = store_uri
     pub = storage.Publication(target)
@@ -358,21 +456,31 @@ def evaluate(
                     "user_states": user_states,
                     "store_uri": store_uri,
                     "item_prior": item_prior,
-                    "users": users.height,
+                    "users": sample.height,
                     "sampled_users": bool(max_users),
                     "metrics": metrics,
+                    "by_item_popularity": long_tail,
+                    "new_items": new_items,
                 },
                 indent=2,
             ).encode(),
         )
         pub.put_table("per_user.parquet", per_user.to_arrow())
-        pub.put_bytes("ndcg_by_history_length.png", plot_by_length(per_user, names))
+        pub.put_bytes("ndcg_by_history_length.png", plot_by_length(sample, names))
+        pub.put_bytes(
+            "ndcg_by_item_popularity.png",
+            plot_lines(
+                long_tail["bucket"],
+                long_tail["ndcg10"],
+                "test item's interactions in the training inputs (the long tail on the left)",
+            ),
+        )
         pub.publish(
             {
                 "kind": "report",
                 "dataset": marker["name"],
                 "checkpoint": checkpoint,
-                "users": users.height,
+                "users": sample.height,
                 # what Serve reads when given this report: what was measured, by version
                 "user_states": user_states,
                 "item_prior": item_prior,
@@ -383,7 +491,7 @@ def evaluate(
         pub.discard()
         raise
     summary["report"] = pub.uri  # the version folder: the files to open
-    print(metrics_table(marker["name"], users.height, metrics), file=sys.stderr)
+    print(metrics_table(marker["name"], sample.height, metrics, new_items), file=sys.stderr)
     if states_manifest is not None:
         m = states_manifest
         summary |= {"state_bytes": m["state_bytes"], "ratio": round(m["ratio"], 5)}
@@ -397,7 +505,7 @@ def evaluate(
     return summary
 
 
-def metrics_table(dataset: str, users: int, metrics: dict) -> str:
+def metrics_table(dataset: str, users: int, metrics: dict, new_items: dict | None = None) -> str:
     lines = [
         f"{dataset}: {users} test users",
         f"{'model':<14} {'NDCG@10':>9} {'HR@10':>7} "
@@ -412,6 +520,12 @@ def metrics_table(dataset: str, users: int, metrics: dict) -> str:
         lines.append(
             f"{m:<14} {full} {v['sampled']['ndcg10']:>18.4f} {v['sampled']['hr10']:>16.4f}"
         )
+    if new_items:
+        lines.append(f"new (held-out) items: {new_items['users']} test users, full catalog")
+        for m, v in new_items.items():
+            if m != "users":
+                nd, hr, se = v["ndcg10"], v["hr10"], v["ndcg10_se"]
+                lines.append(f"{m:<14} {nd:>9.4f} {hr:>7.4f}  (+/- {se:.4f})")
     return "\n".join(lines)
 
 
@@ -444,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--item-prior",
         help="an item prior (fit_item_prior): adds the prior alone and the ranker fused with it, "
-        "the weight picked on the validation split",
+        "the weight picked on the validation split (a ranker trained with --item-prior: its own "
+        "prior, at its learned weight, without this option)",
     )
     p.add_argument("--actors", type=int, default=2, help="scoring actors (Ray Data map_batches)")
     a = cli.parse(p, argv)

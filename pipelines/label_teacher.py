@@ -28,7 +28,13 @@ import numpy as np
 import pyarrow as pa
 
 from artifacts import storage
-from artifacts.data import item_titles, training_windows, user_sequences
+from artifacts.data import (
+    held_out_vids,
+    item_titles,
+    negative_pool,
+    training_windows,
+    user_sequences,
+)
 from models.errors import InputError
 from pipelines.common import cli, jobs
 
@@ -84,10 +90,12 @@ def fixed_examples(
     passes: int,
     seed: int,
     max_windows: int = 0,
+    pool: np.ndarray | None = None,
 ) -> pa.Table:
     """The rows to label: windows, cut points and candidates, drawn once with a seeded
     generator per (pass, window); ``max_windows`` > 0 keeps a seeded sample of the windows (a
-    window keeps its draws whether or not others are sampled)."""
+    window keeps its draws whether or not others are sampled); ``pool``: the vids negatives
+    are drawn from (default: the whole catalog)."""
     from models.batches import sample_candidates, sample_window
 
     windows = training_windows(seqs, max_len).with_row_index("window")
@@ -99,7 +107,9 @@ def fixed_examples(
         for i, u, v, f in windows.iter_rows():
             rng = np.random.default_rng([seed, p, i])
             wv, wf = sample_window(np.asarray(v), np.asarray(f), rng, max_len)
-            t, cands = sample_candidates(wv, rng, n_items=n_items, cuts=cuts, negatives=negatives)
+            t, cands = sample_candidates(
+                wv, rng, n_items=n_items, cuts=cuts, negatives=negatives, pool=pool
+            )
             uid.append(u)
             hv.append(wv.tolist())
             hf.append(wf.tolist())
@@ -169,6 +179,7 @@ def label(
         passes=passes,
         seed=seed,
         max_windows=max_windows,
+        pool=negative_pool(held_out_vids(dataset_uri), int(marker["items"])),
     )
     init_ray()
     gpu = engine == "vllm" and cluster_gpus() > 0

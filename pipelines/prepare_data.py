@@ -21,6 +21,10 @@ The transform runs in polars (columnar, streaming collect), so memory follows th
 not Python objects per row; it runs the same in-process or under ``ray job submit``, and needs
 no Ray workers: on a single node, polars handles tens of millions of interactions in seconds.
 
+``--holdout-items F`` holds out a seeded share F of the items the log names, for the cold-start
+evaluation: their interactions leave every user's sequence except as that user's last (the test
+item), so no model trains on them; ``held_out.parquet`` names them (``artifacts.data``).
+
 ``--online-events STORE_URI`` adds every event a serving store acknowledged (its shards' durable
 history: user, item, feedback, in the order they were applied) after each user's interactions,
 so the next model's states are built from everything users did, not only from the last
@@ -57,12 +61,21 @@ class PrepareConfig:
     """How interactions become feedback, splits and negatives."""
 
     negatives: int = option(100, "sampled negatives stored per test user (the sampled metrics)")
-    seed: int = option(0, "base seed of the per-user negative sampler")
+    seed: int = option(0, "base seed of the per-user negative sampler (and of --holdout-items)")
+    # the cold-start protocol: a share of the catalog the models never train on, evaluated on
+    # the users whose test item is one of them (evaluate reports them as "new items")
+    holdout_items: float = option(
+        0.0,
+        "share of the interacted items held out as new items: removed from every history and "
+        "validation item, kept only as a test item (0: none)",
+    )
     rating_thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # feedback = #thresholds <= rating
 
     def __post_init__(self) -> None:
         if self.negatives < 0:
             raise InputError(f"--negatives must be >= 0, got {self.negatives}")
+        if not 0 <= self.holdout_items < 1:
+            raise InputError(f"--holdout-items must be in [0, 1), got {self.holdout_items}")
         if list(self.rating_thresholds) != sorted(self.rating_thresholds):
             raise InputError(
                 f"--rating-thresholds must be increasing, got {self.rating_thresholds}"
@@ -220,6 +233,22 @@ def sample_negatives(
     return out
 
 
+def hold_out_items(interactions: pl.DataFrame, cfg: PrepareConfig) -> tuple[pl.DataFrame, list]:
+    """The cold-start protocol: ``cfg.holdout_items`` of the items the log names, drawn with
+    ``cfg.seed``, leave every user's sequence except as that user's last interaction (their
+    test item), so no history, validation item, prior or popularity count ever holds one.
+    Returns (the interactions left, the held-out item ids sorted)."""
+    if cfg.holdout_items == 0:
+        return interactions, []
+    named = interactions["item_id"].unique().sort()
+    n = int(round(cfg.holdout_items * len(named)))
+    picks = np.random.default_rng([cfg.seed, 0x401D]).choice(len(named), n, replace=False)
+    held = named.gather(np.sort(picks))
+    last = pl.int_range(pl.len()).over("user_id") == pl.len().over("user_id") - 1
+    kept = interactions.filter(~pl.col("item_id").is_in(held.implode()) | last)
+    return kept, held.to_list()
+
+
 def build_splits(
     interactions: pl.DataFrame, items: pl.DataFrame, cfg: PrepareConfig
 ) -> pl.DataFrame:
@@ -269,6 +298,9 @@ def prepare(
         online = extra.height
         log.info("[2/4] %d acknowledged event(s) from the store %s", online, online_events)
         interactions = pl.concat([interactions, extra]).sort("user_id", "ts", maintain_order=True)
+    interactions, held = hold_out_items(interactions, cfg)
+    if held:
+        log.info("[3/4] %d item(s) held out: only ever a test item", len(held))
     log.info("[3/4] splits: leave-one-out and %d sampled negatives per user", cfg.negatives)
     splits = build_splits(interactions, items, cfg)
     counts = interactions.group_by("user_id").len()["len"]
@@ -280,6 +312,8 @@ def prepare(
         "items": items.height,
         "interactions": interactions.height,
         "online_events": online,
+        "held_out_items": len(held),
+        "new_item_test_users": int(splits["test_item"].is_in(held).sum()) if held else 0,
         "split_users": splits.height,
         "users_too_short": int(counts.len() - splits.height),
         "mean_history_length": round(float(hist.mean()), 2) if splits.height else 0.0,
@@ -292,6 +326,8 @@ def prepare(
         pub.put_table("items.parquet", items.to_arrow())
         pub.put_table("interactions.parquet", interactions.to_arrow())
         pub.put_table("splits.parquet", splits.to_arrow())
+        if held:
+            pub.put_table("held_out.parquet", pl.DataFrame({"item_id": held}).to_arrow())
         pub.publish(
             {
                 "kind": "dataset",
@@ -301,6 +337,7 @@ def prepare(
                 "online_events": {"store": online_events, "events": online},
                 "ts_kind": source.ts_kind,
                 "feedback_classes": cfg.feedback_classes,
+                "held_out_items": len(held),
                 "config": asdict(cfg),
                 **{k: summary[k] for k in ("users", "items", "interactions", "split_users")},
             }
@@ -341,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also every event a serving store acknowledged (its store_uri: a local folder or "
         "redis://...), after each user's interactions",
     )
-    cli.add_fields(p, PrepareConfig, "splits", only=("negatives", "seed"))
+    cli.add_fields(p, PrepareConfig, "splits", only=("negatives", "seed", "holdout_items"))
     p.add_argument(
         "--rating-thresholds",
         default=",".join(map(str, DEFAULT_THRESHOLDS)),

@@ -5,6 +5,7 @@
         [--run NAME]
         [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text+id|text|id]
         [--teacher-labels LABELS [--distill-weight 1] [--distill-temperature 1]]
+        [--item-prior out/item_priors/ml-latest-small/RUN [--prior-weight 20]]
 
 An epoch is every user's history cut into windows of ``--max-len`` + 1 items (each item a
 next-item target once). Each worker of a ``TorchTrainer`` (gloo DDP on CPUs, NCCL on GPUs) reads
@@ -19,6 +20,14 @@ exactly the attention pattern serving uses. With ``--teacher-labels`` (``pipelin
 the windows, cut points and candidates are the labelled ones instead, and the loss gains
 ``--distill-weight`` x KL(teacher || ranker) over each cut's candidates at
 ``--distill-temperature``.
+
+With ``--item-prior`` (``pipelines.fit_item_prior``) the ranker trains complementary to the
+prior: every candidate's logit and every catalog logit is the ranker's score plus a learned
+weight (starting at ``--prior-weight``) times the prior's score after the same history - the
+fused score serving ranks by - so the ranker learns what the prior misses instead of
+relearning it. Each user's windows read a prior refitted without that user's fold (one of 5),
+never one that saw the item it predicts; validation reads the published prior. The published
+checkpoint names the prior and its learned weight, which evaluate and Serve then use.
 
 Each step also updates an exponential moving average of the weights (``--ema-decay``, 0: off);
 the average, not the raw weights, is what is validated and published.
@@ -68,6 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a label_teacher folder: train on its examples with the distillation term",
     )
+    g = p.add_argument_group("trained complementary to the item prior")
+    g.add_argument(
+        "--item-prior",
+        default=None,
+        help="a fit_item_prior folder: every logit in training is the ranker's score + a learned "
+        "weight x this prior's, as it is served, so the ranker learns what the prior misses",
+    )
+    g.add_argument(
+        "--prior-weight",
+        type=float,
+        default=20.0,
+        help="with --item-prior: the prior's weight at the start, learned from there "
+        "(default: %(default)s)",
+    )
     add_train_args(p)
     cli.add_fields(p, RankerConfig, "ranker", only=RANKER_OPTIONS)
     g = p.add_argument_group("CollectiveKV trained from scratch (train_kv_pool fits it instead)")
@@ -87,6 +110,7 @@ def configs_from_args(
         item_dim=a.d_model if a.item_input == "id" else RankerConfig.item_dim,
         feedback_classes=feedback_classes,
         collective_kv=ckv,
+        prior_weight=a.prior_weight if a.item_prior else 0.0,
     )
     return rc, tc
 
@@ -113,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             tc,
             resume=a.resume,
             teacher_labels=a.teacher_labels,
+            item_prior=a.item_prior,
         )
 
     return jobs.run(job)

@@ -44,7 +44,13 @@ import numpy as np
 import torch
 
 from artifacts import storage
-from artifacts.data import item_titles, training_windows, user_sequences
+from artifacts.data import (
+    held_out_vids,
+    item_titles,
+    negative_pool,
+    training_windows,
+    user_sequences,
+)
 from models.config import TeacherConfig
 from models.errors import InputError
 from models.metrics import summarize
@@ -112,6 +118,7 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(tc.seed)
     teacher = build_teacher(mc)
     titles = item_titles(config["dataset_uri"])
+    pool = negative_pool(held_out_vids(config["dataset_uri"]), len(titles))
     state = restored_state()
     if state is not None:
         teacher.load_state_dict(state["model"])
@@ -128,7 +135,7 @@ def train_loop(config: dict) -> None:
         for v, f in zip(batch["hist"], batch["hist_fb"], strict=True):
             wv, wf = sample_window(v, f, rng, tc.max_len)
             t, cands = sample_candidates(
-                wv, rng, n_items=len(titles), cuts=tc.cuts, negatives=tc.negatives
+                wv, rng, n_items=len(titles), cuts=tc.cuts, negatives=tc.negatives, pool=pool
             )
             examples += examples_for(wv, wf, t, cands, titles)
         logits = model(teacher.tokenize(teacher.prompts(examples)))

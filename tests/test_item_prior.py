@@ -137,3 +137,98 @@ def test_the_fused_score_ranks_any_candidate_subset_as_the_whole_catalog():
 def test_a_prior_config_out_of_range_is_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         PriorConfig(**kw)
+
+
+def test_prefix_scores_read_each_prefix_as_the_prior_reads_a_history():
+    """Training's offsets: the prior after every wanted prefix of a padded batch, each history
+    read by its fold's prior, equal to ``ItemPrior.scores`` of that prefix alone."""
+    from models.item_prior import StackedPriors
+
+    n = 25
+    cfg = PriorConfig(l2=5.0, neighbours=6, recent=4, decay=0.7)
+    priors = [ItemPrior.fit(random_histories(30, n, seed=s), n, cfg) for s in range(3)]
+    stacked = StackedPriors.of(priors)
+    lengths = [12, 5, 2, 1]
+    vids = torch.full((4, 12), -1)
+    for b, length in enumerate(lengths):
+        vids[b, :length] = torch.randint(0, n, (length,))
+    rows = torch.arange(12)[None, :] < torch.tensor(lengths)[:, None] - 1
+    folds = torch.tensor([2, 0, 1, 2])
+    got = stacked.prefix_scores(vids, rows, folds)
+    want = [
+        priors[int(folds[b])].scores([vids[b, : p + 1]])[0]
+        for b in range(4)
+        for p in range(12)
+        if rows[b, p]
+    ]
+    assert got.shape == (sum(lengths) - 4, n)  # a prefix before each next item
+    torch.testing.assert_close(got, torch.stack(want), atol=1e-6, rtol=0)
+    assert stacked.prior(1).scores([vids[0]]).equal(priors[1].scores([vids[0]]))
+
+
+@pytest.mark.parametrize("weight", [0.0, 7.5])
+def test_the_offset_path_scores_as_the_fusion_it_replaces(weight):
+    """A ranker trained complementary to the prior: each training logit (a cut's candidates by
+    MIS, the user token's catalog logits after every position) is the fused score evaluation
+    and serving rank by, ``fuse(ranker, prior, weight)`` after the same history - at weight 0
+    (a ranker without the prior: its own scores) and at its weight."""
+    from models.batches import training_batch
+    from models.item_prior import StackedPriors
+    from models.metrics import dot_catalog_scores
+    from models.ranker import History, Ranker
+    from pipelines.common.ranker_training import fused, prior_offsets
+    from tests.test_ranker import N_ITEMS, tiny_config
+
+    torch.manual_seed(0)
+    model = Ranker(tiny_config(item_input="id", prior_weight=weight), n_items=N_ITEMS).eval()
+    assert (model.prior_weight is None) == (weight == 0)
+    if weight:
+        assert model.prior_weight.item() == weight  # the learned gain starts at 1
+        model.prior_gain.data.fill_(0.3)  # and moves in training
+        weight = model.prior_weight.item()
+    cfg = PriorConfig(l2=5.0, neighbours=8, recent=3, decay=0.8)
+    folds = [ItemPrior.fit(random_histories(40, N_ITEMS, seed=s), N_ITEMS, cfg) for s in (1, 2)]
+    priors = StackedPriors.of(folds)
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, N_ITEMS, size=n) for n in (9, 3, 6)]
+    tb = training_batch(
+        windows,
+        [rng.integers(0, 5, size=len(w)) for w in windows],
+        rng,
+        n_items=N_ITEMS,
+        max_len=20,
+        cuts=2,
+        negatives=4,
+        windowed=True,
+        folds=np.array([1, 0, 1]),
+    )
+    rows = tb.next_vids >= 0
+    h = tb.history
+    with torch.no_grad():
+        out = model(h, tb.candidates, cut=tb.cut, catalog=rows)
+        offsets = prior_offsets(priors, tb, h.vids, tb.next_vids, tb.candidates, tb.cut)
+        got = fused(model, out, offsets, catalog=True)
+    r = 0
+    for b, w in enumerate(windows):
+        prior = folds[int(tb.folds[b])]
+        for p in range(len(w) - 1):  # the catalog after the first p + 1 items
+            prefix = History.from_lists([w[: p + 1].tolist()], [[0] * (p + 1)])
+            prefix = History(prefix.vids, h.feedback[b : b + 1, : p + 1], prefix.lengths)
+            want = fuse(
+                dot_catalog_scores(model, prefix),
+                prior.scores([torch.as_tensor(w[: p + 1])]),
+                weight,
+            )
+            torch.testing.assert_close(got.catalog[r], want[0], atol=1e-4, rtol=1e-5)
+            r += 1
+        for c in range(2):  # each cut's candidates, after the items before the cut
+            t = int(tb.cut[b, c * 5])
+            cands = tb.candidates[b, c * 5 : (c + 1) * 5]
+            prefix = History(h.vids[b : b + 1, :t], h.feedback[b : b + 1, :t], torch.tensor([t]))
+            with torch.no_grad():
+                alone = model.score(model.prefill(prefix), cands[None])
+            want = fuse(alone, prior.scores([torch.as_tensor(w[:t])])[:, cands], weight)
+            torch.testing.assert_close(
+                got.scores[b, c * 5 : (c + 1) * 5], want[0], atol=1e-4, rtol=1e-5
+            )
+    assert r == len(got.catalog)

@@ -156,3 +156,102 @@ def test_evaluate_fuses_the_prior_with_the_stored_states_as_serving_does(
     assert served.resolved_store_uri() == ServeSettings(built["user_states"]).resolved_store_uri()
     with pytest.raises(InputError, match="give one or the other"):
         ServeSettings(s["report"], item_prior_uri=prior["out"], item_prior_weight=1.0).pinned()
+
+
+def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
+    tiny_trained, tmp_path, capsys
+):
+    """On a dataset with held-out items, evaluate scores every model over the users whose test
+    item is new (added beside the seeded sample), and over the sample by the test item's
+    popularity in the training inputs; the catalog-wide figures stay the sample's."""
+    import polars as pl
+
+    from artifacts.data import held_out_vids
+    from pipelines import prepare_data
+    from tests.tiny import base_texts, write_catalog, write_sequences
+
+    out = str(tmp_path / "out")
+    argv = ["--dataset", "tiny", "--items", write_catalog(tmp_path, base_texts())]
+    argv += ["--sequences", write_sequences(tmp_path), "--negatives", "10", "--out", out]
+    prep = run_json(capsys, prepare_data.main, [*argv, "--holdout-items", "0.25"])
+    assert prep["held_out_items"] == 12 and 0 < prep["new_item_test_users"] < 20, prep
+    ds = prep["out"]
+    base = tiny_trained["base"]["checkpoint"]  # the same catalog of 60 items
+    _, s, report = fused_evaluation(capsys, ds, out, ["--checkpoint", base, "--max-users", "20"])
+    per_user = pl.from_arrow(storage.read_table(s["report"], "per_user.parquet"))
+    held = held_out_vids(ds)
+    tests = dict(zip(*user_sequences(ds).select("user_id", "test"), strict=True))
+    new = per_user["user_id"].map_elements(lambda u: tests[u] in held, return_dtype=bool)
+    assert per_user["new_item"].to_list() == new.to_list()
+    assert s["users"] == report["users"] == per_user["in_sample"].sum() == 20
+    # every new-item user is scored, in the sample or beside it
+    assert s["new_item_users"] == report["new_items"]["users"] == prep["new_item_test_users"]
+    assert per_user.height == 20 + per_user.filter(~pl.col("in_sample") & "new_item").height
+    models = {"ranker", "item_prior", "ranker_prior", "most_popular"}
+    assert models <= set(report["new_items"]) and {f"{m}_new_full_ndcg10" for m in models} <= set(s)
+    for m in models:
+        v = report["new_items"][m]
+        assert 0 <= v["ndcg10"] <= v["hr10"] <= 1 and v["ndcg10_se"] >= 0
+    # most-popular ranks an item no input holds below every item some input does
+    assert s["most_popular_new_full_ndcg10"] == 0
+    tail = report["by_item_popularity"]
+    assert tail == s["by_item_popularity"] and sum(tail["users"]) == 20
+    sample = per_user.filter("in_sample")
+    assert tail["bucket"][0] == "0" and tail["users"][0] == (sample["test_popularity"] == 0).sum()
+    assert tail["users"][0] >= sample["new_item"].sum() > 0
+    assert set(tail["ndcg10"]) == models and all(
+        len(v) == len(tail["bucket"]) for v in tail["ndcg10"].values()
+    )
+    assert storage.read_file(s["report"], "ndcg_by_item_popularity.png")[:4] == b"\x89PNG"
+
+
+def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_weight(tiny, capsys):
+    """train_ranker --item-prior: each user's windows read a prior refitted without their fold,
+    the learned weight moves and is published with the prior's name; evaluate then fuses the
+    ranker with that prior at that weight (not one picked afterwards) and refuses another."""
+    from models.errors import InputError
+    from models.item_prior import ItemPrior
+    from pipelines import train_ranker
+    from pipelines.common import ranker_training
+    from tests.tiny import TINY_SHAPE
+
+    ds, out = tiny["dataset"], tiny["out"]
+    prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
+    argv = ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "2", *TINY_SHAPE]
+    # --item-prior without a positive weight: refused by name
+    assert train_ranker.main([*argv, "--item-prior", prior["out"], "--prior-weight", "0"]) != 0
+    assert "needs both --item-prior" in capsys.readouterr().err
+    s = run_json(capsys, train_ranker.main, [*argv, "--run", "comp", "--item-prior", prior["out"]])
+    marker = storage.read_marker(s["checkpoint"])
+    assert marker["item_prior"] == storage.pinned(prior["out"])
+    assert marker["prior_weight"] == s["prior_weight"] > 0 and s["prior_weight"] != 20.0
+    # the offsets' priors: one per fold, each fitted without that fold's users, then the
+    # published one
+    seqs = user_sequences(ds)
+    users = seqs.filter(seqs["hist"].list.len() >= 2)
+    folds = ranker_training.prior_folds(users["user_id"].to_numpy(), 0)
+    assert np.bincount(folds).tolist() == [len(users) // 5] * 5  # 40 users: 8 per fold
+    stacked = ranker_training.load_priors(storage.join(s["checkpoint"], "train", "priors.pt"))
+    published, _ = read_prior(prior["out"])
+    assert stacked.index.shape[0] == 6 and stacked.prior(5).weight.equal(published.weight)
+    hists = [torch.as_tensor(np.asarray(h)) for h in users["hist"].to_list()]
+    refit = ItemPrior.fit(
+        [h for h, f in zip(hists, folds, strict=True) if f != 3], 60, published.cfg
+    )
+    assert stacked.prior(3).weight.equal(refit.weight) and not refit.weight.equal(published.weight)
+    # evaluate fuses it at its own weight with its own prior
+    ev = run_json(
+        capsys,
+        evaluate.main,
+        ["--dataset-uri", ds, "--out", out, "--checkpoint", s["checkpoint"], "--actors", "1"],
+    )
+    report = json.loads(storage.read_file(ev["report"], "metrics.json"))
+    fusion = report["metrics"]["ranker_prior"]["fusion"]
+    assert fusion["learned"] and fusion["weight"] == ev["fusion_weight"] == s["prior_weight"]
+    assert list(fusion["val_ndcg10_by_weight"]) == ["0.0", str(s["prior_weight"])]
+    assert report["item_prior"] == marker["item_prior"]
+    other = run_json(
+        capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, "--run", "b", *GRID]
+    )
+    with pytest.raises(InputError, match="was trained complementary to the prior"):
+        evaluate.evaluate(ds, s["checkpoint"], out, item_prior=other["out"])

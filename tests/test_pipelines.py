@@ -285,14 +285,14 @@ def test_metrics_on_a_hand_made_case():
     assert tied.tolist() == [2, 2]
 
     users = pl.DataFrame({"input": [[0, 0, 1], [2]], "test": [1, 3], "negatives": [[2, 3], [0, 1]]})
-    full, sampled = evaluate.popular_ranks(users, 4)
+    full, sampled = evaluate.popular_ranks(users, evaluate.input_counts(users, 4))
     # counts: item0 2, item1 1, item2 1, item3 0; user 0's item1 ties with item2 (ranked above it)
     assert full.tolist() == [1, 2] and sampled.tolist() == [1, 2]
     # counted over more users than are evaluated (a sampled evaluation): item3 now leads
     everyone = pl.concat(
         [users, pl.DataFrame({"input": [[3, 3, 3]], "test": [0], "negatives": [[1]]})]
     )
-    full, sampled = evaluate.popular_ranks(users, 4, everyone)
+    full, sampled = evaluate.popular_ranks(users, evaluate.input_counts(everyone, 4))
     assert full.tolist() == [2, 0] and sampled.tolist() == [2, 0]
 
 
@@ -396,3 +396,39 @@ def test_a_runs_summary_says_why_it_stopped_and_whether_validation_was_still_ris
         "stopped_by": "epochs",
         "val_still_rising": False,
     }
+
+
+def test_held_out_items_never_reach_training():
+    """A dataset's new items (prepare_data --holdout-items) are never in a history, never drawn
+    as a negative and out of the catalog softmax: an id ranker's embeddings of them get no
+    gradient, so what it scores them is its untrained start."""
+    from artifacts.data import negative_pool
+    from models.ranker import Ranker
+    from pipelines.common.ranker_training import TrainConfig, ranker_batches, ranker_loss
+    from tests.test_ranker import N_ITEMS, tiny_config
+
+    torch.manual_seed(0)
+    model = Ranker(tiny_config(item_input="id"), n_items=N_ITEMS)
+    held = np.arange(0, N_ITEMS, 3)
+    pool = negative_pool(held, N_ITEMS)
+    assert len(pool) == N_ITEMS - len(held) and not np.isin(pool, held).any()
+    rng = np.random.default_rng(0)
+    lengths = (3, 8, 12, 5, 9, 2)
+    rows = {
+        "hist": [rng.choice(pool, size=n) for n in lengths],
+        "hist_fb": [rng.integers(0, 5, size=n) for n in lengths],
+    }
+    tc = TrainConfig(batch_size=2, cuts=4, negatives=20, max_len=10)
+    batches = list(ranker_batches(rows, rng, tc, N_ITEMS, pool))
+    drawn = np.concatenate([tb.candidates.numpy().ravel() for tb in batches])
+    assert len(drawn) == len(lengths) * 4 * 21 and not np.isin(drawn, held).any()
+    whole = list(ranker_batches(rows, rng, tc, N_ITEMS))  # the whole catalog draws them
+    assert np.isin(np.concatenate([tb.candidates.numpy().ravel() for tb in whole]), held).any()
+    for tb in batches:
+        loss, _ = ranker_loss(model, tb, tc, "cpu", held_out=torch.from_numpy(held))
+        loss.backward()
+    grad = model.item_emb.weight.grad
+    assert grad[held].abs().max() == 0 and grad[pool].abs().sum() > 0
+    model.zero_grad()
+    ranker_loss(model, batches[0], tc, "cpu")[0].backward()  # unmasked, the softmax reaches them
+    assert model.item_emb.weight.grad[held].abs().sum() > 0

@@ -322,3 +322,34 @@ def test_online_events_of_a_serving_store_join_the_next_dataset(tmp_path, capsys
         [*args, *bad, "--out", str(tmp_path / "x"), "--online-events", store_uri]
     )
     assert rc != 0 and "feedback up to 4" in capsys.readouterr().err
+
+
+def test_held_out_items_are_only_ever_test_items(tmp_path, data_dir, capsys):
+    from artifacts.data import held_out_vids, user_sequences
+
+    args = ["--dataset", "ml-latest-small", "--holdout-items", "0.1"]
+    s = run_job(capsys, *args, "--out", str(tmp_path / "a"))
+    ds = load_dataset(s["out"])
+    named = ds["interactions"]["item_id"].n_unique()  # held-out items stay as test items
+    assert s["held_out_items"] == round(0.1 * 9_724) == 972
+    held = held_out_vids(s["out"])
+    assert len(held) == 972 and (np.diff(held) > 0).all()
+    seqs = user_sequences(s["out"])
+    # no history, validation item, nor any interaction but a user's last holds a held-out item
+    assert not np.isin(np.concatenate(seqs["hist"].to_list()), held).any()
+    assert not np.isin(seqs["valid"].to_numpy(), held).any()
+    new = np.isin(seqs["test"].to_numpy(), held)
+    assert new.sum() == s["new_item_test_users"] > 30
+    last = ds["interactions"].group_by("user_id", maintain_order=True).agg(pl.col("item_id").last())
+    vid = dict(zip(ds["items"]["item_id"], ds["items"]["vid"], strict=True))
+    kept_held = ds["interactions"].filter(pl.col("item_id").replace_strict(vid).is_in(held))
+    assert kept_held.height == new.sum() == kept_held.join(last, on=["user_id", "item_id"]).height
+    assert named < 9_724  # held-out items nobody tested on leave the log
+    check_splits(ds, 100)
+    # the same seed holds out the same items; without the option, none
+    again = run_job(capsys, *args, "--out", str(tmp_path / "b"))
+    assert (held_out_vids(again["out"]) == held).all()
+    plain = run_job(capsys, "--dataset", "ml-latest-small", "--out", str(tmp_path / "c"))
+    assert plain["held_out_items"] == 0 and len(held_out_vids(plain["out"])) == 0
+    with pytest.raises(prepare_data.InputError, match=r"--holdout-items must be in \[0, 1\)"):
+        PrepareConfig(holdout_items=1.0)

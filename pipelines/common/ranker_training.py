@@ -17,10 +17,17 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import polars as pl
 import torch
 
 from artifacts import storage
-from artifacts.data import item_table, training_windows, user_sequences
+from artifacts.data import (
+    held_out_vids,
+    item_table,
+    negative_pool,
+    training_windows,
+    user_sequences,
+)
 from models.config import RankerConfig, option
 from models.errors import InputError
 from pipelines.common import cli, jobs
@@ -121,11 +128,12 @@ def checkpoint_uri(out: str, run: str) -> str:
 # ----------------------------------------------------------------------------- worker side
 
 
-def ranker_batches(rows: dict, rng, tc: TrainConfig, n_items: int):
+def ranker_batches(rows: dict, rng, tc: TrainConfig, n_items: int, pool=None):
     """A chunk of training rows as ``TrainBatch``es of ``tc.batch_size`` windows of similar
     lengths (``models.batches.length_buckets``): each row's window is sampled first (a teacher's
     labelled window is taken whole, with its cut points, candidates and logits), then the
-    windows are grouped by length, so a batch pads to about its own windows' length."""
+    windows are grouped by length, so a batch pads to about its own windows' length.
+    ``pool``: the vids negatives are drawn from (a catalog without its held-out items)."""
     from models.batches import length_buckets, sample_window, training_batch
 
     labelled = "teacher_logits" in rows
@@ -150,13 +158,28 @@ def ranker_batches(rows: dict, rng, tc: TrainConfig, n_items: int):
             if labelled
             else None,
             teacher=np.stack([rows["teacher_logits"][i] for i in idx]) if labelled else None,
+            pool=pool,
+            folds=np.asarray(rows["fold"])[idx] if "fold" in rows else None,
         )
 
 
-def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tensor, dict]:
+def ranker_loss(
+    model,
+    tb,
+    tc: TrainConfig,
+    dev,
+    base=None,
+    held_out: torch.Tensor | None = None,
+    priors=None,
+) -> tuple[torch.Tensor, dict]:
     """The ranker's loss on one ``TrainBatch``: softmax over each cut's candidates, the user
     token's catalog softmax, distillation from teacher labels and from the frozen ``base``, and
-    the CollectiveKV routers' aux loss (minimised, not reported in "loss")."""
+    the CollectiveKV routers' aux loss (minimised, not reported in "loss"). ``held_out``: vids
+    (on ``dev``) the catalog softmax leaves out - a dataset's new items, never trained on.
+    ``priors``: the out-of-fold item priors (``StackedPriors`` on ``dev``) of a ranker trained
+    complementary to the prior: every logit is then the fused score, ranker + its
+    ``prior_weight`` x the prior's score after the same history, as evaluation and serving
+    score."""
     from models.ranker import distillation_loss, ranking_loss
 
     h = tb.history
@@ -166,11 +189,13 @@ def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tenso
     rows = next_vids >= 0 if catalog else False  # logits only where a next item is
     cands, cut = tb.candidates.to(dev), tb.cut.to(dev)
     out = model(h, cands, cut=cut, catalog=rows)
+    offsets = None if priors is None else prior_offsets(priors, tb, h.vids, next_vids, cands, cut)
+    out = fused(model, out, offsets, catalog)
     scores = out.scores.view(-1, 1 + tc.negatives)
     loss = ranking_loss(scores, torch.zeros(len(scores), dtype=torch.long, device=dev))
     if catalog:
         loss = loss + tc.catalog_weight * torch.nn.functional.cross_entropy(
-            out.catalog, next_vids[rows]
+            without(out.catalog, held_out), next_vids[rows]
         )
     distill = torch.zeros((), device=dev)
     if tb.teacher is not None and tc.distill_weight > 0:
@@ -181,11 +206,13 @@ def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tenso
         loss = loss + tc.distill_weight * distill
     if base is not None:
         with torch.no_grad():
-            ref = base(h, cands, cut=cut, catalog=rows)
+            ref = fused(base, base(h, cands, cut=cut, catalog=rows), offsets, catalog)
         t = tc.distill_temperature
         distill = distillation_loss(scores, ref.scores.view(-1, 1 + tc.negatives), t)
         if catalog:
-            distill = distill + distillation_loss(out.catalog, ref.catalog, t)
+            distill = distill + distillation_loss(
+                without(out.catalog, held_out), without(ref.catalog, held_out), t
+            )
         loss = loss + tc.base_distill_weight * distill
     parts = {
         "loss": loss.item(),
@@ -193,6 +220,39 @@ def ranker_loss(model, tb, tc: TrainConfig, dev, base=None) -> tuple[torch.Tenso
         "distill_loss": distill.item(),
     }
     return loss + out.aux_loss, parts
+
+
+def prior_offsets(priors, tb, vids, next_vids, cands, cut) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prior's score of each candidate, read after the history its cut shows (B, C(1+K)),
+    and of every catalog item after each position that has a next item (R, N) - the rows of
+    the user token's catalog logits, in their order."""
+    rows = next_vids >= 0
+    folds = None if tb.folds is None else tb.folds.to(vids.device)
+    catalog = priors.prefix_scores(vids, rows, folds)
+    row_of = rows.flatten().cumsum(0).view(rows.shape) - 1  # (b, p) -> its row
+    return catalog[row_of.gather(1, cut - 1), cands], catalog
+
+
+def fused(model, out, offsets, catalog: bool):
+    """``out`` (a ``RankerOutput``) with the prior's offsets added at the model's prior
+    weight (unchanged without offsets, or for a model trained without the prior)."""
+    weight = getattr(model, "module", model).prior_weight
+    if offsets is None or weight is None:
+        return out
+    cand, cat = offsets
+    return dataclasses.replace(
+        out,
+        scores=out.scores + weight * cand,
+        catalog=out.catalog + weight * cat if catalog else out.catalog,
+    )
+
+
+def without(logits: torch.Tensor, vids: torch.Tensor | None) -> torch.Tensor:
+    """Catalog logits with the columns ``vids`` pushed to the dtype's floor: out of the softmax
+    (a probability of 0) but finite, so a KL term between two masked rows stays 0 there."""
+    if vids is None:
+        return logits
+    return logits.index_fill(1, vids, torch.finfo(logits.dtype).min)
 
 
 def train_loop(config: dict) -> None:
@@ -243,23 +303,33 @@ def train_loop(config: dict) -> None:
     if state is not None:
         opt.load_state_dict(state["optimizer"])
     average = weight_average(unwrap(model), tc.ema_decay, state)
+    held = np.asarray(config.get("held_out") or [], dtype=np.int64)
+    pool = negative_pool(held, n_items)
+    held_t = torch.from_numpy(held).to(dev) if len(held) else None
+    priors = load_priors(config["priors_uri"]) if config.get("priors_uri") else None
+    full_prior = priors.prior(len(priors.index) - 1) if priors else None  # fitted on everyone
+    priors = priors.to(dev) if priors else None
     val = load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
     first = None
     if val and state is None and config.get("init_uri"):
         # a fine-tune: how its starting weights validate before any step, so the summary shows
         # what the fine-tune itself adds (or loses)
-        start_val, _, n = validate(model, val, n_items, tc.max_len, rank, world, tc.val_score)
+        start_val, _, n = validate(
+            model, val, n_items, tc.max_len, rank, world, tc.val_score, full_prior
+        )
         first = {"start_val_ndcg10": start_val}
         if rank == 0:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
 
     def step(tb, rng) -> tuple[torch.Tensor, dict[str, float]]:
-        return ranker_loss(model, tb, tc, dev, base)
+        return ranker_loss(model, tb, tc, dev, base, held_t, priors)
 
     def validation(validated: torch.nn.Module) -> dict[str, float]:
         if not val:
             return {"val_ndcg10": 0.0, "val_hr10": 0.0, "val_users": 0}
-        nd, hr, n = validate(validated, val, n_items, tc.max_len, rank, world, tc.val_score)
+        nd, hr, n = validate(
+            validated, val, n_items, tc.max_len, rank, world, tc.val_score, full_prior
+        )
         return {"val_ndcg10": nd, "val_hr10": hr, "val_users": int(n)}
 
     train_epochs(
@@ -270,7 +340,7 @@ def train_loop(config: dict) -> None:
         world=world,
         state=state,
         step=step,
-        batches=lambda rows, rng: ranker_batches(rows, rng, tc, n_items),
+        batches=lambda rows, rng: ranker_batches(rows, rng, tc, n_items, pool),
         validate=validation,
         score="val_ndcg10",
         average=average,
@@ -299,6 +369,7 @@ def train(
     teacher_labels: str | None = None,
     base_uri: str | None = None,
     prepare: tuple[str, dict] | None = None,
+    item_prior: str | None = None,
 ) -> dict:
     """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
     ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
@@ -306,7 +377,10 @@ def train(
     term. ``base_uri``: the published ranker a fine-tune distils from
     (``tc.base_distill_weight``). ``prepare``: ("module:function", kwargs), called on the model
     in every worker before weights load - how a benchmark trains a model it changed (a
-    compressed-cache baseline); the published checkpoint then loads only through it."""
+    compressed-cache baseline); the published checkpoint then loads only through it.
+    ``item_prior`` (a fit_item_prior folder): train complementary to it (``rc.prior_weight``
+    > 0 starts its learned weight): each user's windows read the offsets of a prior refitted
+    without that user's fold, so no window is scored by a prior that saw its next item."""
 
     from pipelines.common.ray_runtime import init_ray
 
@@ -336,6 +410,17 @@ def train(
         extra_meta = {**(extra_meta or {}), "teacher_labels": storage.pinned(teacher_labels)}
     else:
         labels = training_windows(users, tc.max_len)
+    if (rc.prior_weight > 0) != bool(item_prior):
+        raise InputError(
+            "training complementary to the item prior needs both --item-prior (a fit_item_prior "
+            "folder) and --prior-weight > 0"
+        )
+    if item_prior:
+        item_prior = storage.pinned(item_prior)
+        folds = prior_folds(users["user_id"].to_numpy(), tc.seed)
+        labels = labels.join(
+            pl.DataFrame({"user_id": users["user_id"], "fold": folds}), on="user_id"
+        )
     train_rows = labels.sample(fraction=1.0, shuffle=True, seed=tc.seed)
     if train_rows.height == 0:
         raise InputError(f"{dataset_uri}: no user has 2+ history items to train on")
@@ -348,6 +433,10 @@ def train(
         buf = io.BytesIO()
         torch.save(init_state, buf)
         storage.write_bytes(init_uri, buf.getvalue())
+    priors_uri = None
+    if item_prior:
+        priors_uri = storage.join(train_root, "priors.pt")
+        fold_priors(item_prior, dataset_uri, users, folds, n_items, priors_uri)
     init_ray()
     ds = epoch_shuffled(train_rows.to_arrow(), tc.seed, train_root)
     config = {
@@ -360,6 +449,9 @@ def train(
         "base_uri": storage.pinned(base_uri) if base_uri else None,
         "prepare": prepare,
         "threads": max(1, (os.cpu_count() or 1) // tc.workers),
+        # new items (prepare_data --holdout-items): never a negative, never in the catalog softmax
+        "held_out": held_out_vids(dataset_uri).tolist(),
+        "priors_uri": priors_uri,
     }
     log.info(
         "training %s on %d users (%d windows), %d items, %d worker(s)",
@@ -384,7 +476,8 @@ def train(
     state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
     buf = io.BytesIO()
     published = state.get("published")  # None: no average (or a checkpoint from before it)
-    torch.save(state["model"] if published is None else published, buf)
+    weights = state["model"] if published is None else published
+    torch.save(weights, buf)
     pub = storage.Publication(root)
     summary = {
         "job": "train_ranker",
@@ -404,6 +497,13 @@ def train(
         "workers": tc.workers,
         "checkpoint": root,
     }
+    if item_prior:  # the fusion it was trained as: its weight is the model's
+        summary["prior_weight"] = round(rc.prior_weight * float(weights["prior_gain"].exp()), 4)
+        extra_meta = {
+            **(extra_meta or {}),
+            "item_prior": item_prior,
+            "prior_weight": summary["prior_weight"],
+        }
     if summary["val_still_rising"]:
         log.warning(
             "validation NDCG@10 was still rising at the last epoch (stopped by %s): more "
@@ -438,10 +538,60 @@ def train(
     return summary
 
 
+PRIOR_FOLDS = 5  # out-of-fold priors: each fitted on 80% of the users
+
+
+def prior_folds(user_ids: np.ndarray, seed: int) -> np.ndarray:
+    """Each user's fold 0..PRIOR_FOLDS-1, seeded: as even as the users allow."""
+    order = np.random.default_rng([seed, 0xF01D]).permutation(len(user_ids))
+    folds = np.empty(len(user_ids), dtype=np.int64)
+    folds[order] = np.arange(len(user_ids)) % PRIOR_FOLDS
+    return folds
+
+
+def fold_priors(
+    item_prior: str, dataset_uri: str, users, folds: np.ndarray, n_items: int, target: str
+) -> None:
+    """Refit the published prior's config once per fold, without that fold's users, and write
+    them to ``target`` stacked with the published prior (fitted on everyone: the one
+    validation, evaluation and serving read) last - what training's offsets come from."""
+    from artifacts.prior import read_prior
+    from models.item_prior import ItemPrior, StackedPriors
+
+    full, marker = read_prior(item_prior, n_items)
+    if marker.get("dataset_uri") != dataset_uri:
+        raise InputError(
+            f"{item_prior} was fitted on {marker.get('dataset_uri')}, not on {dataset_uri}"
+        )
+    hists = [torch.as_tensor(np.asarray(h, dtype=np.int64)) for h in users["hist"].to_list()]
+    fitted = []
+    for f in range(PRIOR_FOLDS):
+        t0 = time.perf_counter()
+        rest = [h for h, g in zip(hists, folds, strict=True) if g != f]
+        fitted.append(ItemPrior.fit(rest, n_items, full.cfg))
+        log.info(
+            "item prior without fold %d/%d (%d users) refitted in %.1f s",
+            f + 1,
+            PRIOR_FOLDS,
+            len(rest),
+            time.perf_counter() - t0,
+        )
+    stacked = StackedPriors.of([*fitted, full])
+    buf = io.BytesIO()
+    torch.save({"index": stacked.index, "weight": stacked.weight, "cfg": full.cfg.to_dict()}, buf)
+    storage.write_bytes(target, buf.getvalue())
+
+
+def load_priors(uri: str):
+    """The ``StackedPriors`` ``fold_priors`` wrote."""
+    from models.item_prior import PriorConfig, StackedPriors
+
+    d = torch.load(open_file(*uri.rsplit("/", 1)), map_location="cpu", weights_only=True)
+    return StackedPriors(d["index"], d["weight"], PriorConfig(**d["cfg"]))
+
+
 def _labelled_examples(labels_uri: str, dataset_uri: str, tc: TrainConfig):
     """The rows of a label_teacher folder, and ``tc`` with its cuts and negatives."""
-    import polars as pl
-
     marker = storage.read_marker(labels_uri)
     if marker.get("kind") != "teacher_labels":
         raise InputError(f"{labels_uri} is not a label_teacher output")

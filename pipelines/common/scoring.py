@@ -79,6 +79,8 @@ class PriorFusionRanks(ScoreUsers):
     With ``from_states`` the test input is scored from the user's stored state, as serving
     scores it; the validation input (one item shorter than any stored state) is prefilled.
 
+    ``weights``: the fusion weights to rank by (default ``FUSION_WEIGHTS``).
+
     Returns per user ``prior_full_rank`` / ``prior_sampled_rank`` and, for the i-th weight,
     ``fused_val_rank_i``, ``fused_full_rank_i`` and ``fused_sampled_rank_i``."""
 
@@ -89,16 +91,19 @@ class PriorFusionRanks(ScoreUsers):
         threads: int,
         from_states: bool,
         prior: str,
+        weights: tuple[float, ...] | None = None,
     ) -> None:
         super().__init__(checkpoint, vectors_uri, threads, from_states)
         from artifacts.prior import read_prior
+        from models.item_prior import FUSION_WEIGHTS
 
         self.prior, _ = read_prior(prior, self.n_items)
+        self.weights = FUSION_WEIGHTS if weights is None else weights
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        from models.item_prior import FUSION_WEIGHTS, fuse
+        from models.item_prior import fuse
         from models.metrics import ranks_from_scores
 
         inputs = [np.array(h, dtype=np.int64) for h in batch["input"]]
@@ -120,7 +125,7 @@ class PriorFusionRanks(ScoreUsers):
             "fused_full_rank": [],
             "fused_sampled_rank": [],
         }
-        for w in FUSION_WEIGHTS:
+        for w in self.weights:
             cols["fused_val_rank"].append(ranks_from_scores(fuse(val_r, val_p, w), val_t, seen_val))
             fused = fuse(test_r, test_p, w)
             cols["fused_sampled_rank"].append(torch.as_tensor(sampled_from_scores(fused, cands)))
@@ -160,11 +165,14 @@ def prior_fusion(
     prior: str,
     actors: int,
     from_states: bool = False,
+    trained_weight: float | None = None,
 ) -> tuple[pl.DataFrame, dict]:
     """The ranker, the prior alone and the two fused (``PriorFusionRanks``), the fusion weight
-    picked by validation NDCG@10 over the same users: per_user gains ``ranker_*`` (the fusion
-    at weight 0: the ranker needs no pass of its own), ``item_prior_*`` and ``ranker_prior_*``
-    rank columns; returns it with the pick and the validation curve."""
+    picked by validation NDCG@10 over per_user's ``in_sample`` users: per_user gains
+    ``ranker_*`` (the fusion at weight 0: the ranker needs no pass of its own),
+    ``item_prior_*`` and ``ranker_prior_*`` rank columns; returns it with the pick and the
+    validation curve. A ranker trained complementary to the prior (``trained_weight``: its
+    learned weight) is fused at that weight, not at one picked after training."""
     import ray
 
     from models.item_prior import FUSION_WEIGHTS
@@ -177,18 +185,26 @@ def prior_fusion(
         vectors_uri,
         actors=actors,
         batch_size=16,
-        extra_args=(from_states, prior),
+        extra_args=(from_states, prior, None if trained_weight is None else (0.0, trained_weight)),
     )
+    weights = FUSION_WEIGHTS if trained_weight is None else (0.0, trained_weight)
     got = pl.from_arrow(pa.concat_tables(ray.get(res.to_arrow_refs())))
-    val = [summarize(got[f"fused_val_rank_{i}"].to_numpy()) for i in range(len(FUSION_WEIGHTS))]
-    best = max(range(len(FUSION_WEIGHTS)), key=lambda i: val[i]["ndcg10"])
+    # picked on the seeded sample alone (evaluate adds new-item users beside it)
+    picks = got.join(per_user.filter("in_sample").select("user_id"), on="user_id", how="semi")
+    val = [summarize(picks[f"fused_val_rank_{i}"].to_numpy()) for i in range(len(weights))]
+    best = (
+        1
+        if trained_weight is not None
+        else max(range(len(weights)), key=lambda i: val[i]["ndcg10"])
+    )
     log.info(
-        "fusion weight %g picked on validation (NDCG@10 %.4f; at weight 0, the ranker: %.4f)",
-        FUSION_WEIGHTS[best],
+        "fusion weight %g %s (validation NDCG@10 %.4f; at weight 0, the ranker: %.4f)",
+        weights[best],
+        "learned in training" if trained_weight is not None else "picked on validation",
         val[best]["ndcg10"],
         val[0]["ndcg10"],
     )
-    alone = FUSION_WEIGHTS.index(0.0)  # weight 0: the ranker's own score, ranked the same way
+    alone = weights.index(0.0)  # weight 0: the ranker's own score, ranked the same way
     ranks = got.select(
         "user_id",
         pl.col(f"fused_full_rank_{alone}").alias("ranker_full_rank"),
@@ -200,9 +216,10 @@ def prior_fusion(
     )
     fusion = {
         "prior": prior,
-        "weight": FUSION_WEIGHTS[best],
+        "weight": weights[best],
+        "learned": trained_weight is not None,
         "val_ndcg10_by_weight": {
-            str(w): round(v["ndcg10"], 5) for w, v in zip(FUSION_WEIGHTS, val, strict=True)
+            str(w): round(v["ndcg10"], 5) for w, v in zip(weights, val, strict=True)
         },
     }
     return per_user.join(ranks, on="user_id", how="left"), fusion

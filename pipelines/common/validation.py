@@ -11,13 +11,27 @@ from pipelines.common.training import all_sum
 
 
 def worker_sums(
-    model, val: dict, n_items: int, max_len: int, rank: int, world: int, score: str = "served"
+    model,
+    val: dict,
+    n_items: int,
+    max_len: int,
+    rank: int,
+    world: int,
+    score: str = "served",
+    prior=None,
 ) -> tuple[float, float, int]:
     """(sum of NDCG@10, sum of HR@10, users) over this worker's part of the validation users,
     ranked over the full catalog by the served score or, with ``score="dot"``, the user token's
-    dot product alone."""
+    dot product alone; a ranker trained complementary to the item ``prior`` (an ``ItemPrior``)
+    adds its ``prior_weight`` x the prior's score, as it is served."""
     from models.batches import history_batch
-    from models.metrics import dot_catalog_ranks, full_catalog_ranks, hit_at_k, ndcg_at_k
+    from models.metrics import (
+        dot_catalog_scores,
+        full_catalog_scores,
+        hit_at_k,
+        ndcg_at_k,
+        ranks_from_scores,
+    )
 
     idx = list(range(rank, len(val["valid"]), world))
     if not idx:
@@ -35,10 +49,15 @@ def worker_sums(
         hist = type(hist)(hist.vids.to(dev), hist.feedback.to(dev), hist.lengths.to(dev))
         targets = torch.tensor([val["valid"][i] for i in part], device=dev)
         exclude = [torch.as_tensor(val["hist"][i]) for i in part]
-        if score == "dot":
-            ranks = dot_catalog_ranks(m, hist, targets, exclude, tokens)
-        else:
-            ranks = full_catalog_ranks(m, hist, targets, exclude, n_items)
+        with torch.no_grad():
+            if score == "dot":
+                scores = dot_catalog_scores(m, hist, tokens)
+            else:
+                scores = full_catalog_scores(m, hist, n_items)
+            if prior is not None and m.prior_weight is not None:
+                offset = prior.scores([torch.as_tensor(val["hist"][i]) for i in part])
+                scores = scores + m.prior_weight * offset.to(dev)
+        ranks = ranks_from_scores(scores, targets, exclude)
         nd += float(ndcg_at_k(ranks).sum())
         hr += float(hit_at_k(ranks).sum())
     return nd, hr, len(idx)
@@ -62,8 +81,16 @@ def load_val(dataset_uri: str, n: int, seed: int) -> dict:
 
 
 def validate(
-    model, val: dict, n_items: int, max_len: int, rank: int, world: int, score: str = "served"
+    model,
+    val: dict,
+    n_items: int,
+    max_len: int,
+    rank: int,
+    world: int,
+    score: str = "served",
+    prior=None,
 ) -> tuple[float, float, int]:
     """(NDCG@10, HR@10, users) over all workers' validation users (every worker calls it)."""
-    nd, hr, n = all_sum(list(worker_sums(model, val, n_items, max_len, rank, world, score)), world)
+    sums = worker_sums(model, val, n_items, max_len, rank, world, score, prior)
+    nd, hr, n = all_sum(list(sums), world)
     return nd / max(n, 1), hr / max(n, 1), int(n)
