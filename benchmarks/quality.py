@@ -3,6 +3,12 @@
 job run with ``--config <recipe>``.
 
     python -m benchmarks.quality --config configs/ml-latest-small.yaml [--out out]
+        [--complementary] [--dataset-uri D --vectors-uri V]
+
+``--complementary`` fits the prior first and trains the ranker complementary to it
+(``train_ranker --item-prior``: evaluate fuses at the weight it learned) and writes
+``quality_<dataset>_complementary.json``; ``--dataset-uri``/``--vectors-uri`` start from a
+prepared dataset and its vectors (no prepare or encode stage).
 
 Writes ``benchmarks/results/quality_<dataset>.json``: each job's command line, JSON summary and
 wall time, the machine, and the date; ``benchmarks.readme`` renders the README's table from
@@ -43,33 +49,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="out", help="output root (default: %(default)s)")
     p.add_argument("--data-dir", default=None, help="default: $KVRANK_DATA_DIR, ../shared/data")
     p.add_argument("--json", default=None, help="default: benchmarks/results/quality_<ds>.json")
+    p.add_argument(
+        "--complementary", action="store_true", help="train the ranker with --item-prior"
+    )
+    p.add_argument("--dataset-uri", default=None, help="a prepared dataset (skips prepare)")
+    p.add_argument("--vectors-uri", default=None, help="its item vectors (skips encode)")
     a = p.parse_args(argv)
+    if bool(a.dataset_uri) != bool(a.vectors_uri):
+        p.error("--dataset-uri and --vectors-uri go together")
     with open(a.config) as fh:
         dataset = yaml.safe_load(fh)["prepare_data"]["dataset"]
     jobs.setup_logging()
     t0 = time.perf_counter()
     out = storage.absolute(a.out)
-    ds = storage.join(out, "datasets", dataset)
-    run = f"{dataset}-recipe"
+    ds = a.dataset_uri or storage.join(out, "datasets", dataset)
+    run = f"{dataset}-recipe" + ("-complementary" if a.complementary else "")
     checkpoint = storage.join(out, "checkpoints", run)
     prior = storage.join(out, "item_priors", dataset, f"{dataset}-recipe-prior")
     common = ["--config", a.config, "--dataset-uri", ds, "--out", out]
     prep = ["--config", a.config, "--out", out] + (["--data-dir", a.data_dir] if a.data_dir else [])
-    stages = [
-        ("prepare", prepare_data, prep),
-        ("encode", encode_items, common),
-        ("train", train_ranker, [*common, "--run", run]),
-        ("fit prior", fit_item_prior, [*common, "--run", f"{dataset}-recipe-prior"]),
-        ("evaluate", evaluate, [*common, "--checkpoint", checkpoint, "--item-prior", prior]),
-    ]
+    train = [*common, "--run", run] + (["--vectors-uri", a.vectors_uri] if a.vectors_uri else [])
+    fit = ("fit prior", fit_item_prior, [*common, "--run", f"{dataset}-recipe-prior"])
+    stages = (
+        [] if a.dataset_uri else [("prepare", prepare_data, prep), ("encode", encode_items, common)]
+    )
+    if a.complementary:  # the prior first: the ranker trains on the fused score
+        stages += [fit, ("train", train_ranker, [*train, "--item-prior", prior])]
+        stages += [("evaluate", evaluate, [*common, "--checkpoint", checkpoint])]
+    else:
+        stages += [("train", train_ranker, train), fit]
+        stages += [
+            ("evaluate", evaluate, [*common, "--checkpoint", checkpoint, "--item-prior", prior])
+        ]
     done = []
     for name, module, args in stages:
         done.append(run_stage(name, module.main, module.__name__, args) | {"argv": args})
-    path = a.json or f"benchmarks/results/quality_{dataset}.json"
+    suffix = "_complementary" if a.complementary else ""
+    path = a.json or f"benchmarks/results/quality_{dataset}{suffix}.json"
     report = {
         "benchmark": "quality",
         "dataset": dataset,
         "recipe": a.config,
+        "complementary": a.complementary,
+        "inputs": {"dataset_uri": a.dataset_uri, "vectors_uri": a.vectors_uri},
         "date": time.strftime("%Y-%m-%d"),
         "references": REFERENCES.get(dataset, {}),
         "stages": done,

@@ -393,6 +393,15 @@ def evaluate(
     long_tail = by_popularity(sample, names)
     new_items = new_item_metrics(per_user, names) if len(held) else None
     if fusion:
+        # what the served score adds over the prior alone, paired by user
+        served, alone = (
+            sample[f"{m}_full_rank"].to_numpy() for m in ("ranker_prior", "item_prior")
+        )
+        fusion["vs_prior"] = {
+            "ndcg10_diff": metrics["ranker_prior"]["full"]["ndcg10"]
+            - metrics["item_prior"]["full"]["ndcg10"],
+            "se": ndcg_se(served, paired=alone),
+        }
         metrics["ranker_prior"]["fusion"] = fusion
     if teacher:
         from pipelines.common.ranker_actors import map_with_pool
@@ -437,6 +446,8 @@ def evaluate(
     }
     if fusion:
         summary["fusion_weight"] = fusion["weight"]
+        summary["served_minus_prior_ndcg10"] = round(fusion["vs_prior"]["ndcg10_diff"], 4)
+        summary["served_minus_prior_se"] = round(fusion["vs_prior"]["se"], 4)
     summary["by_item_popularity"] = long_tail
     if new_items:
         summary["new_item_users"] = new_items["users"]

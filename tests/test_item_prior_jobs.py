@@ -89,6 +89,11 @@ def test_evaluate_fuses_the_prior_with_the_ranker_at_the_weight_validation_picks
     )
     for m in ("item_prior", "ranker_prior"):
         assert 0 <= s[f"{m}_full_ndcg10"] <= s[f"{m}_full_hr10"] <= 1
+    # what the served score adds over the prior alone, with its standard error paired by user
+    vs = fusion["vs_prior"]
+    nd = {m: report["metrics"][m]["full"]["ndcg10"] for m in ("ranker_prior", "item_prior")}
+    assert vs["ndcg10_diff"] == pytest.approx(nd["ranker_prior"] - nd["item_prior"])
+    assert s["served_minus_prior_ndcg10"] == round(vs["ndcg10_diff"], 4) and vs["se"] >= 0
     from models.errors import InputError
     from services.settings import ServeSettings
 

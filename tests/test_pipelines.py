@@ -250,7 +250,14 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tiny, capsys):
 
 def test_metrics_on_a_hand_made_case():
     from models.config import RankerConfig
-    from models.metrics import full_catalog_ranks, hit_at_k, ndcg_at_k, sampled_ranks, summarize
+    from models.metrics import (
+        full_catalog_ranks,
+        hit_at_k,
+        ndcg_at_k,
+        ndcg_se,
+        sampled_ranks,
+        summarize,
+    )
     from models.ranker import History, Ranker
 
     ranks = torch.tensor([0, 1, 9, 10, 500])
@@ -259,6 +266,12 @@ def test_metrics_on_a_hand_made_case():
     assert summarize(ranks.numpy()) == pytest.approx(
         {"ndcg10": float(ndcg_at_k(ranks).mean()), "hr10": 0.6}
     )
+    # standard errors of a mean NDCG@10, alone and paired by user
+    assert ndcg_se(np.array([0, 20])) == pytest.approx(0.5)  # NDCG 1 and 0: s.d. 0.707 / sqrt 2
+    assert ndcg_se(np.array([0, 20, 0]), paired=np.array([20, 20, 0])) == pytest.approx(
+        np.std([1.0, 0.0, 0.0], ddof=1) / np.sqrt(3)
+    )
+    assert ndcg_se(np.array([3, 3]), paired=np.array([3, 3])) == 0
 
     # a model whose score of item v is -v: item 5 is beaten by items 0..4, minus the excluded
     model = Ranker(

@@ -419,7 +419,9 @@ def train(
         item_prior = storage.pinned(item_prior)
         folds = prior_folds(users["user_id"].to_numpy(), tc.seed)
         labels = labels.join(
-            pl.DataFrame({"user_id": users["user_id"], "fold": folds}), on="user_id"
+            pl.DataFrame({"user_id": users["user_id"], "fold": folds}),
+            on="user_id",
+            maintain_order="left",
         )
     train_rows = labels.sample(fraction=1.0, shuffle=True, seed=tc.seed)
     if train_rows.height == 0:
