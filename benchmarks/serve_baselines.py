@@ -19,7 +19,8 @@ import torch
 from fastapi import FastAPI, HTTPException
 from ray import serve
 
-from services.app import Catalog, RankRequest, RankResponse
+from services.api import RankRequest, RankResponse
+from services.app import Catalog
 
 APP_NAME = "baselines"
 ROUTE_PREFIX = "/baselines"
