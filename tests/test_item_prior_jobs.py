@@ -230,6 +230,8 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     marker = storage.read_marker(s["checkpoint"])
     assert marker["item_prior"] == storage.pinned(prior["out"])
     assert marker["prior_weight"] == s["prior_weight"] > 0 and s["prior_weight"] != 20.0
+    history = json.loads(storage.read_file(s["checkpoint"], "metrics.json"))
+    assert all(h["prior_weight"] > 0 for h in history)  # each epoch's mean, as it learned
     # the offsets' priors: one per fold, each fitted without that fold's users, then the
     # published one
     seqs = user_sequences(ds)

@@ -219,6 +219,9 @@ def ranker_loss(
         "aux_loss": out.aux_loss.detach().item(),
         "distill_loss": distill.item(),
     }
+    weight = getattr(model, "module", model).prior_weight
+    if priors is not None and weight is not None:
+        parts["prior_weight"] = weight.item()  # learned: the epoch's mean is in its metrics
     return loss + out.aux_loss, parts
 
 

@@ -273,6 +273,8 @@ def epoch_line(metrics: dict) -> str:
         + (f" (best {metrics['best_' + k]:.4f})" if "best_" + k in metrics else "")
         for k in val
     ]
+    if "prior_weight" in metrics:  # a ranker trained complementary to the item prior
+        parts.append(f"prior weight {metrics['prior_weight']:.1f}")
     seconds = f", {metrics['epoch_seconds']:.0f} s" if "epoch_seconds" in metrics else ""
     return f"{metrics['epoch']}: " + ", ".join(parts) + seconds
 
