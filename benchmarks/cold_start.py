@@ -52,6 +52,8 @@ def model_table(evals: dict[str, dict]) -> dict:
             "new_ndcg10": round(new["ndcg10"], 4),
             "new_ndcg10_se": round(new["ndcg10_se"], 4),
             "new_hr10": round(new["hr10"], 4),
+            "new_hr100": round(new["hr100"], 4),
+            "new_median_rank": new["median_rank"],
             "ndcg10": round(ev["metrics"][m]["full"]["ndcg10"], 4),
             "by_popularity": ev["by_item_popularity"]["ndcg10"][m],
         }
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 "benchmark": "cold_start",
                 "dataset": dataset,
                 "new_item_users": table["new_item_users"],
-                **{f"{m} new": r["new_ndcg10"] for m, r in table["models"].items()},
+                **{f"{m} new HR@100": r["new_hr100"] for m, r in table["models"].items()},
                 "json": path,
                 "seconds": report["seconds"],
             }

@@ -89,15 +89,15 @@ def cold_start() -> list[str]:
             for b, n in zip(t["popularity_buckets"], t["popularity_users"], strict=True)
         ]
         out += [
-            f"| {ds}: model | new items ({t['new_item_users']:,} users) | all ({t['users']:,}) | "
-            + " | ".join(buckets)
-            + " |",
-            "|---" * (3 + len(buckets)) + "|",
+            f"| {ds}: model | new items ({t['new_item_users']:,} users): NDCG@10 "
+            f"| HR@100 | median rank | all ({t['users']:,}) | " + " | ".join(buckets) + " |",
+            "|---" * (5 + len(buckets)) + "|",
         ]
         for m, r in t["models"].items():
             pop = " | ".join(f"{v:.4f}" for v in r["by_popularity"])
             out.append(
-                f"| {m} | {r['new_ndcg10']:.4f} ± {r['new_ndcg10_se']:.4f} | {r['ndcg10']:.4f} "
+                f"| {m} | {r['new_ndcg10']:.4f} ± {r['new_ndcg10_se']:.4f} | {r['new_hr100']:.3f} "
+                f"| {r['new_median_rank']:,.0f} | {r['ndcg10']:.4f} "
                 f"| {pop} |"
             )
         trained = [s for s in report["stages"] if s["stage"].startswith("train")]

@@ -151,13 +151,20 @@ def by_popularity(per_user: pl.DataFrame, models: list[str]) -> dict:
 
 
 def new_item_metrics(per_user: pl.DataFrame, models: list[str]) -> dict:
-    """Each model over the users whose test item is a held-out new item (full catalog), with
-    the standard error of its NDCG@10."""
+    """Each model over the users whose test item is a held-out new item (full catalog): NDCG@10
+    with its standard error, HR@10, and - since a new item rarely reaches a whole catalog's top
+    10 - HR@100 and the median rank (0-based), where a model that cannot score it (the prior,
+    most-popular) ranks it last."""
     new = per_user.filter("new_item")
     out: dict = {"users": new.height}
     for m in models:
         ranks = new[f"{m}_full_rank"].to_numpy()
-        out[m] = {**summarize(ranks), "ndcg10_se": ndcg_se(ranks)}
+        out[m] = {
+            **summarize(ranks),
+            "ndcg10_se": ndcg_se(ranks),
+            "hr100": float((ranks < 100).mean()) if len(ranks) else float("nan"),
+            "median_rank": float(np.median(ranks)) if len(ranks) else float("nan"),
+        }
     return out
 
 
@@ -452,6 +459,8 @@ def evaluate(
     if new_items:
         summary["new_item_users"] = new_items["users"]
         summary |= {f"{m}_new_full_ndcg10": round(new_items[m]["ndcg10"], 4) for m in names}
+        summary |= {f"{m}_new_full_hr100": round(new_items[m]["hr100"], 4) for m in names}
+        summary |= {f"{m}_new_median_rank": new_items[m]["median_rank"] for m in names}
     if store_uri:
         summary["store_uri"] = store_uri
     pub = storage.Publication(target)
@@ -536,7 +545,10 @@ def metrics_table(dataset: str, users: int, metrics: dict, new_items: dict | Non
         for m, v in new_items.items():
             if m != "users":
                 nd, hr, se = v["ndcg10"], v["hr10"], v["ndcg10_se"]
-                lines.append(f"{m:<14} {nd:>9.4f} {hr:>7.4f}  (+/- {se:.4f})")
+                lines.append(
+                    f"{m:<14} {nd:>9.4f} {hr:>7.4f}  (+/- {se:.4f}), HR@100 {v['hr100']:.4f}, "
+                    f"median rank {v['median_rank']:,.0f}"
+                )
     return "\n".join(lines)
 
 

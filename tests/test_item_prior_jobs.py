@@ -196,7 +196,9 @@ def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
     assert models <= set(report["new_items"]) and {f"{m}_new_full_ndcg10" for m in models} <= set(s)
     for m in models:
         v = report["new_items"][m]
-        assert 0 <= v["ndcg10"] <= v["hr10"] <= 1 and v["ndcg10_se"] >= 0
+        assert 0 <= v["ndcg10"] <= v["hr10"] <= v["hr100"] <= 1 and v["ndcg10_se"] >= 0
+        ranks = per_user.filter("new_item")[f"{m}_full_rank"].to_numpy()
+        assert v["median_rank"] == np.median(ranks) == s[f"{m}_new_median_rank"]
     # most-popular ranks an item no input holds below every item some input does
     assert s["most_popular_new_full_ndcg10"] == 0
     tail = report["by_item_popularity"]

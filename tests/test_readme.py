@@ -31,3 +31,48 @@ def test_the_readme_links_resolve():
     text = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#]+)", text):
         assert (ROOT / target).exists(), target
+
+
+def test_the_new_items_table_is_rendered_from_a_cold_start_run(tmp_path, monkeypatch):
+    """benchmarks.cold_start's table, from its two evaluate reports, as the README shows it."""
+    import json
+
+    from benchmarks.cold_start import model_table
+
+    def report(models: list[str], weight: float) -> dict:
+        buckets = {"bucket": ["0", "1-4"], "users": [3, 7]}
+        new = {"users": 3}
+        new |= {
+            m: dict(ndcg10=0.1, hr10=0.2, ndcg10_se=0.01, hr100=0.5, median_rank=40.0)
+            for m in models
+        }
+        return {
+            "users": 10,
+            "metrics": {m: {"full": {"ndcg10": 0.3}} for m in models},
+            "new_items": new,
+            "by_item_popularity": buckets | {"ndcg10": {m: [0.0, 0.4] for m in models}},
+            "fusion_weight": weight,
+        }
+
+    both = ["ranker", "item_prior", "ranker_prior", "most_popular"]
+    table = model_table({"text+id": report([*both, "ranker_id"], 50.0), "text": report(both, 20.0)})
+    assert len(table["models"]) == 7 and table["fusion_weight"] == {"text+id": 50.0, "text": 20.0}
+    assert table["models"]["ranker id"]["new_hr100"] == 0.5
+    stages = [{"stage": f"train {k}", "item_input": k, "epochs_run": 3} for k in ("text+id", "id")]
+    (tmp_path / "cold_start_ml-latest-small.json").write_text(
+        json.dumps(
+            {
+                "table": table,
+                "stages": stages,
+                "recipe": "configs/ml-latest-small.yaml",
+                "date": "2026-12-06",
+                "holdout_items": 0.1,
+                "training_cap": {"max_minutes": None, "epochs": None},
+            }
+        )
+    )
+    monkeypatch.setattr(readme, "RESULTS", tmp_path)
+    lines = readme.cold_start()
+    assert lines[0].startswith("| ml-latest-small: model | new items (3 users): NDCG@10 | HR@100")
+    assert "| ranker id | 0.1000 ± 0.0100 | 0.500 | 40 | 0.3000 | 0.0000 | 0.4000 |" in lines
+    assert "Epochs trained: text+id 3, id 3." in lines[-1]
