@@ -5,7 +5,7 @@
         [--run NAME]
         [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text+id|text|id]
         [--teacher-labels LABELS [--distill-weight 1] [--distill-temperature 1]]
-        [--item-prior out/item_priors/ml-latest-small/RUN [--prior-weight 20]]
+        [--item-prior out/item_priors/ml-latest-small/RUN [--prior-weight W]]
 
 An epoch is every user's history cut into windows of ``--max-len`` + 1 items (each item a
 next-item target once). Each worker of a ``TorchTrainer`` (gloo DDP on CPUs, NCCL on GPUs) reads
@@ -23,10 +23,11 @@ the windows, cut points and candidates are the labelled ones instead, and the lo
 
 With ``--item-prior`` (``pipelines.fit_item_prior``) the ranker trains complementary to the
 prior: every candidate's logit and every catalog logit is the ranker's score plus a learned
-weight (starting at ``--prior-weight``) times the prior's score after the same history - the
-fused score serving ranks by - so the ranker learns what the prior misses instead of
-relearning it. Each user's windows read a prior refitted without that user's fold (one of 5),
-never one that saw the item it predicts; validation reads the published prior. The published
+weight times the prior's score after the same history - the fused score serving ranks by - so
+the ranker learns what the prior misses instead of relearning it. The weight starts where the
+prior alone best predicts each user's last history item (or at ``--prior-weight``). Each
+user's windows read a prior refitted without that user's fold (one of 5), never one that saw
+the item it predicts; validation reads the published prior. The published
 checkpoint names the prior and its learned weight, which evaluate and Serve then use.
 
 Each step also updates an exponential moving average of the weights (``--ema-decay``, 0: off);
@@ -87,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prior-weight",
         type=float,
-        default=20.0,
-        help="with --item-prior: the prior's weight at the start, learned from there "
-        "(default: %(default)s)",
+        default=0.0,
+        help="with --item-prior: the prior's weight at the start, learned from there (default 0: "
+        "calibrated, the weight at which the prior alone best predicts each user's last "
+        "history item, by a prior fitted without that user)",
     )
     add_train_args(p)
     cli.add_fields(p, RankerConfig, "ranker", only=RANKER_OPTIONS)
@@ -110,7 +112,7 @@ def configs_from_args(
         item_dim=a.d_model if a.item_input == "id" else RankerConfig.item_dim,
         feedback_classes=feedback_classes,
         collective_kv=ckv,
-        prior_weight=a.prior_weight if a.item_prior else 0.0,
+        prior_weight=a.prior_weight,
     )
     return rc, tc
 

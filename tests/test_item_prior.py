@@ -232,3 +232,21 @@ def test_the_offset_path_scores_as_the_fusion_it_replaces(weight):
                 got.scores[b, c * 5 : (c + 1) * 5], want[0], atol=1e-4, rtol=1e-5
             )
     assert r == len(got.catalog)
+
+
+def test_the_calibrated_weight_is_where_the_prior_alone_predicts_best():
+    """Training's starting prior weight: the maximum of softmax(w x prior)'s mean
+    log-likelihood of the targets, which is concave in w."""
+    from pipelines.common.ranker_training import calibrated_weight
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(200, 50, generator=g) * 0.05
+    targets = torch.multinomial(torch.softmax(scores * 80.0, 1), 1, generator=g)[:, 0]
+
+    def loglik(w: float) -> float:
+        return float(torch.log_softmax(scores * w, 1).gather(1, targets[:, None]).mean())
+
+    w = calibrated_weight(scores, targets)
+    assert 20 < w < 300  # the targets were drawn at 80
+    assert loglik(w) >= max(loglik(w * 0.9), loglik(w / 0.9))
+    assert calibrated_weight(scores[:0], targets[:0]) == 1.0  # nothing to calibrate on

@@ -225,13 +225,15 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     ds, out = tiny["dataset"], tiny["out"]
     prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
     argv = ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "2", *TINY_SHAPE]
-    # --item-prior without a positive weight: refused by name
-    assert train_ranker.main([*argv, "--item-prior", prior["out"], "--prior-weight", "0"]) != 0
-    assert "needs both --item-prior" in capsys.readouterr().err
+    # a starting weight without the prior it weighs: refused by name
+    assert train_ranker.main([*argv, "--prior-weight", "5"]) != 0
+    assert "it needs --item-prior" in capsys.readouterr().err
     s = run_json(capsys, train_ranker.main, [*argv, "--run", "comp", "--item-prior", prior["out"]])
     marker = storage.read_marker(s["checkpoint"])
     assert marker["item_prior"] == storage.pinned(prior["out"])
-    assert marker["prior_weight"] == s["prior_weight"] > 0 and s["prior_weight"] != 20.0
+    # the weight started calibrated (the prior alone at its best) and moved in training
+    assert marker["prior_weight"] == s["prior_weight"] > 0 and s["prior_weight_start"] > 0
+    assert s["prior_weight"] != s["prior_weight_start"]
     history = json.loads(storage.read_file(s["checkpoint"], "metrics.json"))
     assert all(h["prior_weight"] > 0 for h in history)  # each epoch's mean, as it learned
     # the offsets' priors: one per fold, each fitted without that fold's users, then the

@@ -381,9 +381,10 @@ def train(
     (``tc.base_distill_weight``). ``prepare``: ("module:function", kwargs), called on the model
     in every worker before weights load - how a benchmark trains a model it changed (a
     compressed-cache baseline); the published checkpoint then loads only through it.
-    ``item_prior`` (a fit_item_prior folder): train complementary to it (``rc.prior_weight``
-    > 0 starts its learned weight): each user's windows read the offsets of a prior refitted
-    without that user's fold, so no window is scored by a prior that saw its next item."""
+    ``item_prior`` (a fit_item_prior folder): train complementary to it, its learned weight
+    starting at ``rc.prior_weight`` (0: calibrated, ``calibrated_weight``): each user's windows
+    read the offsets of a prior refitted without that user's fold, so no window is scored by a
+    prior that saw its next item."""
 
     from pipelines.common.ray_runtime import init_ray
 
@@ -413,10 +414,11 @@ def train(
         extra_meta = {**(extra_meta or {}), "teacher_labels": storage.pinned(teacher_labels)}
     else:
         labels = training_windows(users, tc.max_len)
-    if (rc.prior_weight > 0) != bool(item_prior):
+    if rc.prior_weight < 0 or (rc.prior_weight > 0 and not item_prior):
         raise InputError(
-            "training complementary to the item prior needs both --item-prior (a fit_item_prior "
-            "folder) and --prior-weight > 0"
+            "--prior-weight is the starting weight of the prior a ranker trains complementary "
+            f"to: it needs --item-prior (a fit_item_prior folder) and must be > 0, got "
+            f"{rc.prior_weight}"
         )
     if item_prior:
         item_prior = storage.pinned(item_prior)
@@ -441,7 +443,9 @@ def train(
     priors_uri = None
     if item_prior:
         priors_uri = storage.join(train_root, "priors.pt")
-        fold_priors(item_prior, dataset_uri, users, folds, n_items, priors_uri)
+        calibrated = fold_priors(item_prior, dataset_uri, users, folds, n_items, priors_uri)
+        if rc.prior_weight == 0:
+            rc = dataclasses.replace(rc, prior_weight=calibrated)
     init_ray()
     ds = epoch_shuffled(train_rows.to_arrow(), tc.seed, train_root)
     config = {
@@ -504,6 +508,7 @@ def train(
     }
     if item_prior:  # the fusion it was trained as: its weight is the model's
         summary["prior_weight"] = round(rc.prior_weight * float(weights["prior_gain"].exp()), 4)
+        summary["prior_weight_start"] = round(rc.prior_weight, 4)
         extra_meta = {
             **(extra_meta or {}),
             "item_prior": item_prior,
@@ -556,10 +561,11 @@ def prior_folds(user_ids: np.ndarray, seed: int) -> np.ndarray:
 
 def fold_priors(
     item_prior: str, dataset_uri: str, users, folds: np.ndarray, n_items: int, target: str
-) -> None:
+) -> float:
     """Refit the published prior's config once per fold, without that fold's users, and write
     them to ``target`` stacked with the published prior (fitted on everyone: the one
-    validation, evaluation and serving read) last - what training's offsets come from."""
+    validation, evaluation and serving read) last - what training's offsets come from.
+    Returns the calibrated starting weight, out of fold (``calibrated_weight``)."""
     from artifacts.prior import read_prior
     from models.item_prior import ItemPrior, StackedPriors
 
@@ -581,10 +587,47 @@ def fold_priors(
             len(rest),
             time.perf_counter() - t0,
         )
+    # each user's last history item after the rest, by the prior fitted without them
+    pick = np.random.default_rng(0).permutation(len(hists))[:CALIBRATION_USERS]
+    scores = torch.zeros(len(pick), n_items)
+    for row, i in enumerate(pick):
+        scores[row] = fitted[int(folds[i])].scores([hists[i][:-1]])[0]
+    targets = torch.as_tensor([int(hists[i][-1]) for i in pick], dtype=torch.long)
+    weight = calibrated_weight(scores, targets)
+    log.info(
+        "the prior's weight starts at %.1f (calibrated on %d users, out of fold)", weight, len(pick)
+    )
     stacked = StackedPriors.of([*fitted, full])
     buf = io.BytesIO()
     torch.save({"index": stacked.index, "weight": stacked.weight, "cfg": full.cfg.to_dict()}, buf)
     storage.write_bytes(target, buf.getvalue())
+    return weight
+
+
+CALIBRATION_USERS = 2000
+
+
+def calibrated_weight(scores: torch.Tensor, targets: torch.Tensor) -> float:
+    """The w at which softmax(w x prior) over the catalog best predicts ``targets``: the mean
+    log-likelihood is concave in w, so a golden-section search over log w in [0.1, 10^5]
+    finds it. Training starts the prior's weight there - the prior alone as the best model it
+    can be - and the ranker learns the rest. scores (U, N), targets (U,)."""
+    if len(targets) == 0:
+        return 1.0
+
+    def loglik(log_w: float) -> float:
+        logits = scores * float(np.exp(log_w))
+        return float(torch.log_softmax(logits, 1).gather(1, targets[:, None]).mean())
+
+    lo, hi = np.log(0.1), np.log(1e5)
+    ratio = (np.sqrt(5) - 1) / 2
+    for _ in range(40):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if loglik(a) < loglik(b):
+            lo = a
+        else:
+            hi = b
+    return float(np.exp((lo + hi) / 2))
 
 
 def load_priors(uri: str):
