@@ -69,7 +69,7 @@ def complementary_row(ds: str) -> str:
     gain = ev["served_minus_prior_ndcg10"] / ev["item_prior_full_ndcg10"]
     return (
         f"| {ds}, trained with the prior ({ev['users']:,}) | {cell('ranker')} "
-        f"| **{cell('ranker_prior')}** (learned weight {ev['fusion_weight']:g}; "
+        f"| **{cell('ranker_prior')}** (learned weight {ev['fusion_weight']:.0f}; "
         f"{gain:+.1%} over the prior, paired s.e. {ev['served_minus_prior_se']:.4f}) "
         f"| {cell('item_prior')} | {cell('most_popular')} | | "
         f"| {report['date']}, `--complementary` |"
