@@ -70,7 +70,7 @@ def complementary_row(ds: str) -> str:
     return (
         f"| {ds}, trained with the prior ({ev['users']:,}) | {cell('ranker')} "
         f"| **{cell('ranker_prior')}** (learned weight {ev['fusion_weight']:.0f}; "
-        f"{gain:+.1%} over the prior, paired s.e. {ev['served_minus_prior_se']:.4f}) "
+        f"{gain:+.1%} against the prior, paired s.e. {ev['served_minus_prior_se']:.4f}) "
         f"| {cell('item_prior')} | {cell('most_popular')} | | "
         f"| {report['date']}, `--complementary` |"
     )
