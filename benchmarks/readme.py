@@ -371,14 +371,10 @@ def gpu() -> list[str]:
             for t in lengths
         ]
         out.append(f"| {n} candidates | " + " | ".join(cells) + " |")
-    out += [
-        "",
-        "| users in one pass (100 candidates each, states from the host) | scores/s | "
-        "expand's share |",
-        "|---|---|---|",
-    ]
-    for r in report["batch"]:
-        out.append(f"| {r['users']:,} | {r['scores_per_s']:,.0f} | {r['expand_share']:.0%} |")
+    batches = "; ".join(
+        f"{r['users']:,} users: {r['scores_per_s']:,.0f} scores/s (expand {r['expand_share']:.0%})"
+        for r in report["batch"]
+    )
     checks = report["checks"]
     return out + [
         "",
@@ -387,7 +383,8 @@ def gpu() -> list[str]:
         f"{report['ranker']['d_model']}, random weights: costs, not quality) in bf16, its "
         f"CollectiveKV twin (M {report['collective_kv']['pool_size']:,}, "
         f"d_u {report['collective_kv']['user_dim']}) "
-        "for the batches. A call waited for costs at least "
+        "for the batches. Many users in one pass (100 candidates each, states expanded from "
+        f"the host): {batches}. A call waited for costs at least "
         f"{report['round_trip_s'] * 1e6:.0f} µs here. Training: "
         f"{report['train']['windows_per_s']:,.0f} windows/s (fp32, 32 windows a step). "
         "Checks: graph replay equals eager scoring (max difference "
