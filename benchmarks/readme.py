@@ -319,7 +319,7 @@ def scoring() -> list[str]:
         "over full | CollectiveKV over plain cache |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name in ("scoring.json", "scoring_cpu_bf16.json", "scoring_cuda_bf16.json"):
+    for name in ("scoring.json", "scoring_cuda_bf16.json"):
         report = load(name)
         device = f"{report['device']}, {report['dtype']}"
         for r in (r for r in report["results"] if r["candidates"] >= 100):
@@ -328,6 +328,13 @@ def scoring() -> list[str]:
                 f"| {r['mis']['scores_per_s']:,.0f} | {r['full']['scores_per_s']:,.0f} "
                 f"| {r['ratio_mis_over_full']:.1f}x | {r['ratio_ckv_over_mis']:.2f} |"
             )
+    bf16 = [r for r in load("scoring_cpu_bf16.json")["results"] if r["candidates"] >= 100]
+    cpu_bf16 = "; ".join(
+        f"history {r['history_length']}, {r['candidates']} candidates: "
+        f"{r['mis']['scores_per_s']:,.0f} scores/s ({r['ratio_mis_over_full']:.1f}x the full "
+        "forward)"
+        for r in bf16
+    )
     enc = load("encode.json")
     first, inc = enc["encode_items_first"], enc["encode_items_incremental"]
     train = ", ".join(
@@ -343,7 +350,8 @@ def scoring() -> list[str]:
     return out + [
         "",
         "`benchmarks.scoring`: a width-256 ranker, every candidate scored by one MIS pass "
-        "against scoring each by its own forward over history + candidate. "
+        "against scoring each by its own forward over history + candidate; in bf16 on the "
+        f"same CPU (`--dtype bf16`): {cpu_bf16}. "
         f"`benchmarks.encode`: `encode_items` encodes {enc['items']:,} items at "
         f"{first['items_per_second_job']:.0f} items/s end to end (a plain loop: "
         f"{enc['plain_loop']['items_per_second']:.0f}); after editing {inc['edited_items']} "
