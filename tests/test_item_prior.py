@@ -176,7 +176,7 @@ def test_the_offset_path_scores_as_the_fusion_it_replaces(weight):
     from models.item_prior import StackedPriors
     from models.metrics import dot_catalog_scores
     from models.ranker import History, Ranker
-    from pipelines.common.ranker_training import fused, prior_offsets
+    from pipelines.common.prior_offsets import fused, prior_offsets
     from tests.test_ranker import N_ITEMS, tiny_config
 
     torch.manual_seed(0)
@@ -237,7 +237,7 @@ def test_the_offset_path_scores_as_the_fusion_it_replaces(weight):
 def test_the_calibrated_weight_is_where_the_prior_alone_predicts_best():
     """Training's starting prior weight: the maximum of softmax(w x prior)'s mean
     log-likelihood of the targets, which is concave in w."""
-    from pipelines.common.ranker_training import calibrated_weight
+    from pipelines.common.prior_offsets import calibrated_weight
 
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(200, 50, generator=g) * 0.05

@@ -219,7 +219,7 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     from models.errors import InputError
     from models.item_prior import ItemPrior
     from pipelines import train_ranker
-    from pipelines.common import ranker_training
+    from pipelines.common import prior_offsets
     from tests.tiny import TINY_SHAPE
 
     ds, out = tiny["dataset"], tiny["out"]
@@ -240,9 +240,9 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     # published one
     seqs = user_sequences(ds)
     users = seqs.filter(seqs["hist"].list.len() >= 2)
-    folds = ranker_training.prior_folds(users["user_id"].to_numpy(), 0)
+    folds = prior_offsets.prior_folds(users["user_id"].to_numpy(), 0)
     assert np.bincount(folds).tolist() == [len(users) // 5] * 5  # 40 users: 8 per fold
-    stacked = ranker_training.load_priors(storage.join(s["checkpoint"], "train", "priors.pt"))
+    stacked = prior_offsets.load_priors(storage.join(s["checkpoint"], "train", "priors.pt"))
     published, _ = read_prior(prior["out"])
     assert stacked.index.shape[0] == 6 and stacked.prior(5).weight.equal(published.weight)
     hists = [torch.as_tensor(np.asarray(h)) for h in users["hist"].to_list()]
