@@ -36,7 +36,6 @@ ndcg_by_history_length.png, ndcg_by_item_popularity.png, _SUCCESS.json.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import sys
@@ -51,6 +50,7 @@ from artifacts.data import held_out_vids, user_sequences
 from models.errors import InputError
 from models.metrics import ndcg_se, summarize
 from pipelines.common import cli, jobs
+from pipelines.common.plots import plot_lines
 from pipelines.common.ranker_actors import map_with_rankers
 from pipelines.common.scoring import ScoreUsers
 
@@ -205,27 +205,6 @@ def plot_by_length(per_user: pl.DataFrame, models: list[str]) -> bytes:
         for m in models
     }
     return plot_lines([labels[b] for b in present], series, "history length (items)")
-
-
-def plot_lines(labels: list[str], series: dict[str, list[float]], xlabel: str) -> bytes:
-    """A PNG of each model's full-catalog NDCG@10 over the buckets ``labels``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for m, values in series.items():
-        ax.plot(labels, values, marker="o", label=m)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("full-catalog NDCG@10")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
 
 
 class TeacherRanks:
