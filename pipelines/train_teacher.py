@@ -241,31 +241,20 @@ def train(
     state = torch.load(open_file(best_dir, "state.pt"), map_location="cpu", weights_only=True)
     teacher = build_teacher(mc)
     teacher.load_state_dict(state["model"])
-    pub = storage.Publication(root)
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvrank-teacher-") as d:
-            teacher.save(d)
-            for name in sorted(os.listdir(d)):
-                with open(os.path.join(d, name), "rb") as f:
-                    pub.put_bytes(name, f.read())
-        # the published folder is the model: loading it needs only the prompt settings
-        prompt = dataclasses.replace(mc, model_dir=None)
-        pub.put_bytes("teacher.json", prompt.to_json().encode())
-        pub.put_bytes("train.json", json.dumps(dataclasses.asdict(tc), indent=2).encode())
-        pub.put_bytes("metrics.json", json.dumps(history, indent=2).encode())
-        pub.publish(
-            {
-                "kind": "teacher_checkpoint",
-                "dataset_uri": dataset_uri,
-                "dataset": marker["name"],
-                "best_epoch": best["epoch"],
-                "val_sampled_ndcg10": best["val_sampled_ndcg10"],
-                "source": best_dir,
-            }
-        )
-    except BaseException:
-        pub.discard()
-        raise
+    publish_teacher(
+        root,
+        teacher,
+        mc,
+        tc,
+        history,
+        {
+            "dataset_uri": dataset_uri,
+            "dataset": marker["name"],
+            "best_epoch": best["epoch"],
+            "val_sampled_ndcg10": best["val_sampled_ndcg10"],
+            "source": best_dir,
+        },
+    )
     return {
         "job": "train_teacher",
         "run": run,
@@ -282,6 +271,30 @@ def train(
         "checkpoint": root,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def publish_teacher(
+    root: str, teacher, mc: TeacherConfig, tc: TeacherTrainConfig, history: list, marker: dict
+) -> None:
+    """Publish ``teacher`` to ``root``: its Hugging Face directory, the prompt settings
+    (``teacher.json``), the training options and ``metrics.json`` (``history``), under a marker
+    of kind teacher_checkpoint with the fields of ``marker``. Nothing is published on failure."""
+    pub = storage.Publication(root)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvrank-teacher-") as d:
+            teacher.save(d)
+            for name in sorted(os.listdir(d)):
+                with open(os.path.join(d, name), "rb") as f:
+                    pub.put_bytes(name, f.read())
+        # the published folder is the model: loading it needs only the prompt settings
+        prompt = dataclasses.replace(mc, model_dir=None)
+        pub.put_bytes("teacher.json", prompt.to_json().encode())
+        pub.put_bytes("train.json", json.dumps(dataclasses.asdict(tc), indent=2).encode())
+        pub.put_bytes("metrics.json", json.dumps(history, indent=2).encode())
+        pub.publish({"kind": "teacher_checkpoint", **marker})
+    except BaseException:
+        pub.discard()
+        raise
 
 
 TEACHER_OPTIONS = ("kind", "d_model", "n_layers", "n_heads", "ffn_dim", "max_length")
@@ -304,16 +317,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = cli.parse(build_parser(), argv)
+def configs_from_args(a: argparse.Namespace) -> tuple[TeacherConfig, TeacherTrainConfig]:
+    """The teacher's shape and its training options from parsed arguments, each option left
+    unset taking its --kind's default."""
     for name, value in KIND_DEFAULTS[a.kind].items():
         if getattr(a, name) is None:
             setattr(a, name, value)
+    return cli.from_args(a, TeacherConfig), cli.from_args(a, TeacherTrainConfig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = cli.parse(build_parser(), argv)
 
     def job() -> dict:
         marker = storage.read_marker(a.dataset_uri)
-        mc = cli.from_args(a, TeacherConfig)
-        tc = cli.from_args(a, TeacherTrainConfig)
+        mc, tc = configs_from_args(a)
         run = a.run or f"{marker['name']}-{'cross-' if a.kind == 'cross' else ''}teacher"
         return train(a.dataset_uri, a.out, run, mc, tc, a.resume)
 

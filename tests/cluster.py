@@ -24,6 +24,8 @@ OBJECT_STORE = 128 * 1024**2
 def main() -> None:
     from ray.cluster_utils import Cluster
 
+    from pipelines.common.ray_runtime import EMBEDDED_IDLE_WORKERS
+
     dash = free_port()
     cluster = Cluster(
         initialize_head=True,
@@ -39,6 +41,9 @@ def main() -> None:
             "metrics_export_port": free_port(),
             "runtime_env_agent_port": free_port(),
             "ray_client_server_port": free_port(),
+            # idle workers kept for the next job, as on the embedded Ray (one CPU a node would
+            # keep one)
+            "_system_config": {"num_workers_soft_limit": EMBEDDED_IDLE_WORKERS},
         },
     )
     for _ in range(NODES - 1):

@@ -15,7 +15,6 @@ import httpx
 import pytest
 import yaml
 
-from pipelines.prepare_data import load_dataset
 from tests.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,19 +50,6 @@ def nodes_of(cluster: dict, class_part: str) -> set[str]:
     assert r.status_code == 200, r.text[-2000:]
     found = r.json()["data"]["result"]["result"]
     return {a["node_id"] for a in found if class_part in (a.get("class_name") or "")}
-
-
-def test_prepare_data_as_a_ray_job(ray_cluster, data_dir, tmp_path):
-    proc = submit(
-        ray_cluster, "--dataset", "ml-latest-small", "--data-dir", data_dir, "--out", str(tmp_path)
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "succeeded" in proc.stdout + proc.stderr
-    summaries = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"job": "prepare_data"')]
-    assert len(summaries) == 1
-    summary = json.loads(summaries[0])
-    assert (summary["users"], summary["interactions"]) == (610, 100_836)
-    assert load_dataset(summary["out"])["splits"].height == 610
 
 
 def test_failed_ray_job_reports_the_error(ray_cluster, tmp_path):

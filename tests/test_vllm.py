@@ -15,16 +15,16 @@ from torch.testing import assert_close
 
 from artifacts import storage
 from artifacts.data import encoder_tag, item_titles
-from pipelines import encode_items, label_teacher, train_teacher
+from pipelines import encode_items, label_teacher
 from pipelines.common import teachers
 from pipelines.encode_items import clean_text
 from tests.conftest import free_port
 from tests.tiny import (
-    TINY_TEACHER,
     base_texts,
     prepare,
     run_json,
     untrained_states,
+    untrained_teacher,
     write_catalog,
     write_sequences,
 )
@@ -61,17 +61,16 @@ def test_encode_items_with_vllm_gives_the_hf_vectors(tiny, ray_local, capsys):
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, ray_local):
-    """A tiny published teacher and CollectiveKV states on the tiny dataset (of an untrained
-    ranker: these tests compare the teacher's engines, not the ranker)."""
+    """A tiny published teacher and CollectiveKV states on the tiny dataset, both untrained:
+    these tests compare the teacher's engines, not what the models learnt (training the teacher
+    is checked in test_teacher_jobs.py)."""
     d = tmp_path_factory.mktemp("vllm")
     out = str(d / "out")
     ds = prepare(d, out, write_catalog(d, base_texts()), write_sequences(d))
-    args = ["--dataset-uri", ds, "--out", out, "--run", "t", "--epochs", "1", *TINY_TEACHER]
-    assert train_teacher.main(args) == 0
     return {
         "out": out,
         "dataset": ds,
-        "teacher": train_teacher.teacher_uri(out, "t"),
+        "teacher": untrained_teacher(ds, out),
         "states": untrained_states(ds, out),  # a build_user_states summary
     }
 

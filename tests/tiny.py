@@ -150,3 +150,24 @@ def untrained_states(ds: str, out: str) -> dict:
         {"kind": "ranker_checkpoint", "dataset_uri": storage.pinned(ds), "n_items": n_items}
     )
     return build_user_states.build(ds, root, out, actors=1)
+
+
+def untrained_teacher(ds: str, out: str) -> str:
+    """A causal teacher of ``TINY_TEACHER``'s shape that was never trained (seeded weights),
+    published as train_teacher publishes one, under ``out``: for tests that compare the
+    teacher's engines, not what it learnt. Its URI."""
+    import torch
+
+    from artifacts import storage
+    from models.teacher import build_teacher
+    from pipelines import train_teacher
+
+    args = train_teacher.build_parser().parse_args(
+        ["--dataset-uri", ds, "--out", out, *TINY_TEACHER]
+    )
+    mc, tc = train_teacher.configs_from_args(args)
+    torch.manual_seed(0)
+    root = train_teacher.teacher_uri(out, "untrained")
+    marker = {"dataset_uri": storage.pinned(ds), "dataset": storage.read_marker(ds)["name"]}
+    train_teacher.publish_teacher(root, build_teacher(mc), mc, tc, [], marker)
+    return root
