@@ -1,7 +1,8 @@
-"""The Serve application over real HTTP on 127.0.0.1: ranking equals scoring the stored state
-directly, bad input gets a 4xx naming the field, events extend a user's state durably (they
-survive the shard's replica being killed). The store here is the Redis engine on a real
-redis-server; the embedded engine serves the cluster tests (tests/test_ray_job.py)."""
+"""The Serve application over real HTTP on 127.0.0.1, to a proxy bound to every interface (so
+the app needs its API tokens): ranking equals scoring the stored state directly, bad input gets
+a 4xx naming the field, events extend a user's state durably (they survive the shard's replica
+being killed). The store here is the Redis engine on a real redis-server; the embedded engine
+serves the cluster tests (tests/test_ray_job.py)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def served(tmp_path_factory, tiny_trained, redis_server):
         ds, out, l2s=[1.0], neighbours=8, recents=[3], decays=[0.7], val_users=0
     )["out"]
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # every interface, as a platform team runs it: the app refuses to start there without API
+    # tokens (test_an_open_api_is_refused_beyond_loopback); the clients here use 127.0.0.1
+    serve.start(http_options={"host": "0.0.0.0", "port": port})
     tokens = d / "tokens"
     tokens.write_text(
         "# hash, scopes, name\n"
@@ -70,7 +73,12 @@ def served(tmp_path_factory, tiny_trained, redis_server):
         "ranker_max_replicas": 1,
     }
     serve.run(build_app(settings), name="kvrank", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "states": built["user_states"], "prior": prior}
+    yield {
+        "url": f"http://127.0.0.1:{port}",
+        "states": built["user_states"],
+        "prior": prior,
+        "settings": settings,
+    }
     serve.shutdown()
 
 
@@ -259,6 +267,30 @@ def test_tokens_are_made_checked_and_refused_as_the_operators_guide_says(tmp_pat
     assert auth.scope_of("/v1/rankings") == "admin" and auth.scope_of("/api/v1/rank", "/api") == (
         "read"
     )
+
+
+def test_an_open_api_is_refused_beyond_loopback(served):
+    """Serve listens on every interface here: without api_tokens_file the ingress refuses to
+    start, and says why where an operator reads it (serve status); the app beside it, which has
+    its tokens, serves only requests that bring one."""
+    from ray import serve
+
+    from services.app import Ingress
+
+    settings = {k: v for k, v in served["settings"].items() if k != "api_tokens_file"}
+    # the ingress's constructor refuses before it looks at the ranker or the stores: alone here,
+    # on no CPU (the app beside it holds this machine's)
+    lone = Ingress.options(ray_actor_options={"num_cpus": 0}).bind(settings, None)
+    with pytest.raises(RuntimeError, match=r"Failed to update the deployments \['Ingress'\]"):
+        serve.run(lone, name="open", route_prefix="/open")
+    try:
+        why = serve.status().applications["open"].deployments["Ingress"].message
+        assert "Serve listens on '0.0.0.0' and no api_tokens_file is set" in why, why
+    finally:
+        serve.delete("open")
+    body = {"user_id": 1, "candidate_item_ids": [1, 2, 3], "k": 2}
+    assert httpx.post(served["url"] + "/v1/rank", json=body, timeout=60).status_code == 401
+    assert post(served, "/v1/rank", body, token=TOKENS["read"]).status_code == 200
 
 
 def test_unknown_user_ranks_from_an_empty_history(served):
