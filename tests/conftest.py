@@ -4,6 +4,7 @@ on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 
 import pytest
@@ -29,6 +30,26 @@ def pytest_collection_modifyitems(config, items):
                 f"{item.nodeid}: vLLM tests belong in tests/{VLLM_TESTS} (make test runs only it "
                 "in .venv-vllm)"
             )
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray and ray.is_initialized())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test outside the slow tier that starts a Ray (a job run in-process starts an embedded
+    one) fails, naming the fixture that puts it in the slow tier: `make test-fast` stays free of
+    Ray."""
+    before = _ray_running()
+    result = yield
+    if not before and _ray_running() and not item.get_closest_marker("slow"):
+        pytest.fail(
+            f"{item.nodeid} started a Ray outside the slow tier: give it the ray_local fixture",
+            pytrace=False,
+        )
+    return result
 
 
 @pytest.fixture(scope="session")

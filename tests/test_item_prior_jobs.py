@@ -212,7 +212,9 @@ def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
     assert storage.read_file(s["report"], "ndcg_by_item_popularity.png")[:4] == b"\x89PNG"
 
 
-def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_weight(tiny, capsys):
+def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_weight(
+    tiny, ray_local, capsys
+):
     """train_ranker --item-prior: each user's windows read a prior refitted without their fold,
     the learned weight moves and is published with the prior's name; evaluate then fuses the
     ranker with that prior at that weight (not one picked afterwards) and refuses another."""
