@@ -351,8 +351,8 @@ NOT_LOADED = object()  # a shard the ingress cannot read itself (yet): its deplo
 
 
 # The ingress's constructor checks the settings (exposure, tokens, the manifest): a refusal is
-# the same on every try, so the deployment fails after three (Serve's default is 20, ~30 s
-# here) and `serve status` says why at once; a storage blip still gets its retries.
+# the same on every try, so the deployment fails after three (Serve's default is 20, each a new
+# replica process) and `serve status` says why sooner; a storage blip still gets its retries.
 @serve.deployment(max_constructor_retry_count=3)
 @serve.ingress(app)
 class Ingress:
