@@ -30,13 +30,12 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_section(tmp_path, capsy
     assert checks["graph_replay_equals_eager"] == {"ok": None, "why": "no CUDA"}
 
 
-def test_the_gpu_check_fails_when_mis_departs_from_scoring_alone(monkeypatch):
-    """Its exactness section alone (the sizes and timings around it are the test above): a
-    departure of MIS from scoring each candidate alone fails the check the report's ok reads."""
+def test_the_gpu_check_fails_when_mis_departs_from_scoring_alone(tmp_path, monkeypatch, capsys):
     reference = Ranker.score_reference
     monkeypatch.setattr(Ranker, "score_reference", lambda self, h, c: reference(self, h, c) + 1e-2)
-    checks: dict[str, dict] = {}
-    gpu_check.exactness_checks("cpu", checks)
-    assert checks["mis_equals_each_candidate_alone"]["ok"] is False
-    assert checks["mis_equals_each_candidate_alone"]["max_abs_diff"] > 1e-4
-    assert checks["expand_of_compressed_equals_kv_on_the_fly"]["ok"] is True
+    assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
+    assert report["ok"] is False
+    mis = report["checks"]["mis_equals_each_candidate_alone"]
+    assert mis["ok"] is False and mis["max_abs_diff"] > 1e-4
+    assert report["checks"]["expand_of_compressed_equals_kv_on_the_fly"]["ok"] is True
