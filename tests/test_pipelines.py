@@ -162,8 +162,10 @@ def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_pat
 
     table = pa.table({"row": np.arange(200)})
 
-    def epochs(seed, root, n=2):
-        it = training.epoch_shuffled(table, seed, str(root)).streaming_split(1, equal=True)[0]
+    def epochs(seed, root, n=2, split=False):
+        ds = training.epoch_shuffled(table, seed, str(root))
+        # as a Ray Train worker reads it: alone, the whole dataset; among several, its split
+        it = ds.streaming_split(1, equal=True)[0] if split else ds.iterator()
         return [
             [int(x) for b in it.iter_batches(batch_size=50, batch_format="numpy") for x in b["row"]]
             for _ in range(n)
@@ -173,6 +175,7 @@ def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_pat
     assert sorted(first) == sorted(second) == list(range(200))  # each epoch every row once
     assert first != second and first[:50] != second[:50]  # a capped epoch sees other rows
     assert epochs(0, tmp_path / "b") == [first, second]  # a rerun repeats them
+    assert epochs(0, tmp_path / "e", split=True) == [first, second]  # split or not
     assert epochs(1, tmp_path / "c")[0] != first
     # a resumed run (a second attempt) does not replay the first run's order
     training.record_attempt(str(tmp_path / "d"))

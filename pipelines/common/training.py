@@ -128,9 +128,13 @@ def epoch_shuffled(table, seed: int, train_root: str):
     run_seed = int(np.random.SeedSequence([seed, done]).generate_state(1)[0])
     # the shuffle's tasks take a sliver of a CPU: the trainer's workers hold the rest, and a
     # whole-CPU task would wait for them forever
-    return ray.data.from_arrow(table).random_shuffle(
+    ds = ray.data.from_arrow(table).random_shuffle(
         seed=RandomSeedConfig(seed=run_seed, reseed_after_execution=True), num_cpus=0.1
     )
+    # the trainer's epoch lines are its progress: Ray Data's bars, redrawn at every epoch's
+    # execution, would only mix their cursor codes into the job's log and its summary line
+    ds.context.enable_progress_bars = False
+    return ds
 
 
 def fit(
@@ -164,6 +168,10 @@ def fit(
             resources_per_worker={"CPU": min(1, cpus / (workers + 1))},
         ),
         datasets=datasets,
+        # one worker reads all the rows: unsplit, its iterator executes the dataset in the
+        # worker itself, without the split coordinator that deals several workers their shards
+        # (an actor: one more process and its imports before the first step)
+        dataset_config=ray.train.DataConfig(datasets_to_split="all" if workers > 1 else []),
         run_config=ray.train.RunConfig(
             name=RUN_NAME,
             # Ray Train wants a URI or an absolute path; `--out out` is neither
