@@ -76,29 +76,14 @@ def test_the_cluster_refuses_whoever_lacks_its_token(ray_cluster):
     assert httpx.get(url, headers=ray_cluster["headers"], timeout=30).status_code == 200
 
 
-def test_encode_items_as_a_ray_job_spreads_its_actors_over_the_nodes(
-    ray_cluster, tiny_trained, tmp_path
-):
-    """A Ray Data job: under ray job submit it joins the cluster (RAY_ADDRESS) instead of
-    starting its own Ray, and its two encoder actors of 0.75 CPU run on two nodes."""
-    ds, out = tiny_trained["dataset"], str(tmp_path / "out")
-    # 60 items in batches of 8: 8 blocks for the two actors
-    args = ["--dataset-uri", ds, "--out", out, "--actors", "2", "--batch-size", "8"]
-    summary = job_summary(
-        submit(ray_cluster, *args, "--cpus-per-actor", "0.75", job="encode_items"),
-        "encode_items",
-    )
-    assert (summary["encoded"], summary["errors"]) == (60, 0)
-    assert len(nodes_of(ray_cluster, "EncoderActor")) == 2
-
-
 @pytest.fixture(scope="module")
 def chain(ray_cluster, tiny_trained, tmp_path_factory) -> dict:
     """train_kv_pool (K shared only, the sharing option) from the tiny chain's ranker ->
     build_user_states (two prefill actors), each submitted with ``ray job submit``: Ray Train
-    and the Ray Data actor pools run on the cluster. The jobs' summaries. (train_ranker runs
-    the same training code in-process elsewhere; evaluating from stored states is checked in
-    tests/test_collective_kv_jobs.py.)"""
+    and a Ray Data actor pool run on the cluster, and each job joins it (RAY_ADDRESS) instead
+    of starting its own Ray. The jobs' summaries. (train_ranker runs the same training code
+    in-process elsewhere, encode_items the same actor pools; evaluating from stored states is
+    checked in tests/test_collective_kv_jobs.py.)"""
     from tests.tiny import TINY_TRAIN
 
     ds, base = tiny_trained["dataset"], tiny_trained["base"]

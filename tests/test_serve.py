@@ -234,8 +234,10 @@ def test_an_open_api_is_refused_beyond_loopback(served):
 
     settings = {k: v for k, v in served["settings"].items() if k != "api_tokens_file"}
     # the ingress's constructor refuses before it looks at the ranker or the stores: alone here,
-    # on no CPU (the app beside it holds this machine's)
-    lone = Ingress.options(ray_actor_options={"num_cpus": 0}).bind(settings, None)
+    # on no CPU (the app beside it holds this machine's), and tried once (each try is a new
+    # replica process; the refusal is the same every time)
+    lone = Ingress.options(ray_actor_options={"num_cpus": 0}, max_constructor_retry_count=1)
+    lone = lone.bind(settings, None)
     with pytest.raises(RuntimeError, match=r"Failed to update the deployments \['Ingress'\]"):
         serve.run(lone, name="open", route_prefix="/open")
     try:
