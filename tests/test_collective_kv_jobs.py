@@ -139,6 +139,11 @@ def test_fit_pools_build_states_and_evaluate_from_them(tiny_trained, tmp_path, c
     # smallest automatic size, so that one
     assert fit["init_tokens"] == 100 and fit["pool_size_auto"]
     assert fit["pool_size"] == train_kv_pool.AUTO_POOL_SIZES[0] == 16
+    # ... and the job says what would fill that pool
+    assert [w for w in tiny_trained["fit_warnings"] if "k-means fitted" in w] == [
+        "k-means fitted 16 pool entries to 100 tokens (6.2 an entry): give --init-tokens 320 "
+        "or more, or a smaller --pool-size"
+    ]
     # 40 users in batches of 8 are 5 steps an epoch; --max-steps cut the fine-tune at 2
     history = json.loads(storage.read_file(fit["checkpoint"], "metrics.json"))
     assert [m["steps"] for m in history] == [2]

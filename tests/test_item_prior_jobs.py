@@ -213,7 +213,7 @@ def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
 
 
 def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_weight(
-    tiny, ray_local, capsys
+    tiny, ray_local, capsys, monkeypatch
 ):
     """train_ranker --item-prior: each user's windows read a prior refitted without their fold,
     the learned weight moves and is published with the prior's name; evaluate then fuses the
@@ -224,7 +224,9 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     from pipelines.common import prior_offsets
     from tests.tiny import TINY_SHAPE
 
-    ds, out = tiny["dataset"], tiny["out"]
+    # a relative --out, as `make demo` passes it (Ray Train and the actors need it made absolute)
+    monkeypatch.chdir(tiny["dir"])
+    ds, out = tiny["dataset"], "out"
     prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
     argv = ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "2", *TINY_SHAPE]
     # a starting weight without the prior it weighs: refused by name

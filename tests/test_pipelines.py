@@ -1,5 +1,5 @@
-"""The offline Ray jobs on a tiny synthetic catalog: incremental encoding, Ray Train with two
-workers, checkpoint and resume, evaluation, and the whole chain on s3:// (moto)."""
+"""The offline Ray jobs on a tiny synthetic catalog: incremental encoding, and the whole chain
+on s3:// (moto) with Ray Train on two workers, checkpoint and resume, and evaluation."""
 
 from __future__ import annotations
 
@@ -95,66 +95,6 @@ def test_encoding_is_incremental(tiny, ray_local, capsys):
     assert (full["encoded"], full["reused"], full["errors"]) == (60, 0, 2)
     table, missing = item_table(full["out"], len(items))
     assert missing == 2 and table.shape == (len(items), 384)
-
-
-def test_two_workers_train_checkpoint_and_resume(tiny, ray_local, capsys, monkeypatch):
-    """The id ranker on two workers (the text input's item table is trained in
-    test_whole_chain_on_s3)."""
-    # a relative --out, as `make demo` passes it (Ray Train needs it made absolute)
-    monkeypatch.chdir(tiny["dir"])
-    base = [
-        "--dataset-uri",
-        tiny["dataset"],
-        "--item-input",
-        "id",
-        "--out",
-        "ckpt-out",
-        "--run",
-        "r",
-        "--workers",
-        "2",
-        "--patience",
-        "10",
-        *TINY_SHAPE,
-    ]
-    first = run_json(capsys, train_ranker.main, [*base, "--epochs", "2"])
-    assert (first["epochs_run"], first["last_epoch"], first["workers"]) == (2, 1, 2)
-    root = ranker_training.checkpoint_uri("ckpt-out", "r")
-    marker = storage.read_marker(root)
-    assert marker["best_epoch"] in (0, 1)
-    history = json.loads(storage.read_file(root, "metrics.json"))
-    assert [h["epoch"] for h in history] == [0, 1]
-    assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
-    assert marker["source"] != marker["latest"] or marker["best_epoch"] == 1
-    # a fresh start under the same run name would mix two trainings: refused, nothing touched
-    capsys.readouterr()
-    assert train_ranker.main([*base, "--epochs", "2"]) == 2
-    assert "pass --resume to continue it" in capsys.readouterr().err
-    assert storage.read_marker(root)["version"] == marker["version"]
-    assert json.loads(storage.read_file(root, "metrics.json")) == history
-    # distilling from a base needs a fine-tune's base: train_ranker alone has none
-    assert train_ranker.main([*base, "--resume", "--base-distill-weight", "1"]) == 2
-    assert "train_kv_pool gives it" in capsys.readouterr().err
-
-    resumed = run_json(capsys, train_ranker.main, [*base, "--epochs", "3", "--resume"])
-    assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
-    history2 = json.loads(storage.read_file(root, "metrics.json"))
-    assert history2[:2] == history  # the first two epochs are carried over, not redone
-    model, marker = data.load_checkpoint(root)
-    assert model.cfg.d_model == 32
-    # published: the best epoch's weight average, not its raw weights
-    best = torch.load(training.open_file(marker["source"], "state.pt"), weights_only=True)
-    weights = model.state_dict()
-    assert all(torch.equal(weights[k], v) for k, v in best["published"].items())
-    assert any(not torch.equal(best["model"][k], v) for k, v in best["published"].items())
-    # the average went on across the resume: it has seen every step of the three epochs
-    last = torch.load(training.open_file(marker["latest"], "state.pt"), weights_only=True)
-    assert last["averaged_steps"] == sum(h["steps"] for h in history2)
-    assert last["history"] == history2
-    # Ray Train kept the best epochs by validation NDCG@10 and the latest, no more
-    run_folder = marker["latest"].rsplit("/", 1)[0]
-    kept = [p for p in os.listdir(run_folder) if p.startswith("checkpoint_2")]  # dated
-    assert len(kept) <= training.KEEP_CHECKPOINTS + 1
 
 
 def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_path):
@@ -360,33 +300,67 @@ def test_validation_by_the_dot_product_ranks_by_the_user_vector_alone():
         ranker_training.TrainConfig(val_score="mis")
 
 
-def test_whole_chain_on_s3(tiny, s3_bucket, ray_local, capsys):
+def test_whole_chain_on_s3_on_two_workers_with_checkpoints_and_resume(
+    tiny, s3_bucket, ray_local, capsys
+):
+    """Everything in a bucket: the catalog encoded, the text+id ranker trained on two workers with
+    Ray Train's checkpoints stored there, a refused fresh start, a resume that carries the
+    first epochs over, and the evaluation of what it published."""
     out = f"{s3_bucket}/kv"
     ds = prepare(tiny["dir"], out, write_catalog(tiny["dir"], base_texts()), tiny["seq"])
     enc = run_json(capsys, encode_items.main, ["--dataset-uri", ds, "--out", out, "--actors", "1"])
     assert enc["out"].startswith("s3://") and enc["encoded"] == 60
-    tr = run_json(
-        capsys,
-        train_ranker.main,
-        [
-            "--dataset-uri",
-            ds,
-            "--vectors-uri",
-            enc["out"],
-            "--out",
-            out,
-            "--run",
-            "s3run",
-            "--epochs",
-            "1",
-            *TINY_SHAPE,
-        ],
-    )
-    assert tr["checkpoint"] == f"{out}/checkpoints/s3run"
+    base = ["--dataset-uri", ds, "--vectors-uri", enc["out"], "--out", out, "--run", "r"]
+    base += ["--workers", "2", "--patience", "10", *TINY_SHAPE]
+    first = run_json(capsys, train_ranker.main, [*base, "--epochs", "2"])
+    assert (first["epochs_run"], first["last_epoch"], first["workers"]) == (2, 1, 2)
+    root = ranker_training.checkpoint_uri(out, "r")
+    assert first["checkpoint"] == root == f"{out}/checkpoints/r"
+    marker = storage.read_marker(root)
+    assert marker["best_epoch"] in (0, 1)
+    history = json.loads(storage.read_file(root, "metrics.json"))
+    assert [h["epoch"] for h in history] == [0, 1]
+    assert all(h["val_users"] == 8 for h in history)  # validation split across both workers
+    assert marker["source"] != marker["latest"] or marker["best_epoch"] == 1
+    # a fresh start under the same run name would mix two trainings: refused, nothing touched
+    capsys.readouterr()
+    assert train_ranker.main([*base, "--epochs", "2"]) == 2
+    assert "pass --resume to continue it" in capsys.readouterr().err
+    assert storage.read_marker(root)["version"] == marker["version"]
+    assert json.loads(storage.read_file(root, "metrics.json")) == history
+    # distilling from a base needs a fine-tune's base: train_ranker alone has none
+    assert train_ranker.main([*base, "--resume", "--base-distill-weight", "1"]) == 2
+    assert "train_kv_pool gives it" in capsys.readouterr().err
+
+    resumed = run_json(capsys, train_ranker.main, [*base, "--epochs", "3", "--resume"])
+    assert (resumed["epochs_run"], resumed["last_epoch"]) == (3, 2)
+    history2 = json.loads(storage.read_file(root, "metrics.json"))
+    assert history2[:2] == history  # the first two epochs are carried over, not redone
+    model, marker = data.load_checkpoint(root)
+    assert model.cfg.d_model == 32 and model.cfg.item_input == "text+id"
+    # published: the best epoch's weight average, not its raw weights
+    best = torch.load(training.open_file(marker["source"], "state.pt"), weights_only=True)
+    weights = model.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in best["published"].items())
+    assert any(not torch.equal(best["model"][k], v) for k, v in best["published"].items())
+    # the average went on across the resume: it has seen every step of the three epochs
+    last = torch.load(training.open_file(marker["latest"], "state.pt"), weights_only=True)
+    assert last["averaged_steps"] == sum(h["steps"] for h in history2)
+    assert last["history"] == history2
+    # Ray Train kept the best epochs by validation NDCG@10 and the latest, no more, in the bucket
+    assert marker["latest"].startswith("s3://")
+    fs, run_folder = storage.filesystem(marker["latest"].rsplit("/", 1)[0])
+    kept = [
+        p
+        for p in fs.ls(run_folder, detail=False)
+        if p.rsplit("/", 1)[-1].startswith("checkpoint_2")
+    ]
+    assert 1 <= len(kept) <= training.KEEP_CHECKPOINTS + 1
+
     ev = run_json(
         capsys,
         evaluate.main,
-        ["--dataset-uri", ds, "--checkpoint", tr["checkpoint"], "--out", out, "--actors", "1"],
+        ["--dataset-uri", ds, "--checkpoint", root, "--out", out, "--actors", "1"],
     )
     assert ev["users"] == N_USERS and ev["report"].startswith("s3://")
     report = json.loads(storage.read_file(ev["report"], "metrics.json"))

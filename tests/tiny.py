@@ -101,7 +101,10 @@ def tiny_chain(ds: str, out: str) -> dict:
     """On the tiny dataset ``ds``: train a one-epoch tiny id ranker (run "base"), fit its
     CollectiveKV pools (train_kv_pool's command line, ``TINY_FIT``) and build every user's
     state, all under ``out``: {"base", "fit", "states"}, the jobs' summaries
-    (``states["user_states"]`` is the manifest URI)."""
+    (``states["user_states"]`` is the manifest URI), and "fit_warnings", what train_kv_pool
+    logged as warnings."""
+    import logging
+
     from pipelines import build_user_states, train_kv_pool, train_ranker
     from pipelines.common import ranker_training
 
@@ -111,11 +114,21 @@ def tiny_chain(ds: str, out: str) -> dict:
     rc, tc = train_ranker.configs_from_args(args, 5)
     base = ranker_training.train(ds, None, out, "base", rc, tc)
     common = ["--dataset-uri", ds, "--out", out]
-    fit = main_json(train_kv_pool.main, [*common, "--checkpoint", base["checkpoint"], *TINY_FIT])
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())
+    logger = logging.getLogger("kvrank.train_kv_pool")
+    logger.addHandler(catch)
+    try:
+        fit = main_json(
+            train_kv_pool.main, [*common, "--checkpoint", base["checkpoint"], *TINY_FIT]
+        )
+    finally:
+        logger.removeHandler(catch)
     states = main_json(
         build_user_states.main, [*common, "--checkpoint", fit["checkpoint"], "--actors", "1"]
     )
-    return {"base": base, "fit": fit, "states": states}
+    return {"base": base, "fit": fit, "states": states, "fit_warnings": warned}
 
 
 def untrained_states(ds: str, out: str) -> dict:
