@@ -33,6 +33,11 @@ def test_the_gpu_check_runs_on_the_cpu_and_reports_every_section(tmp_path, capsy
 def test_the_gpu_check_fails_when_mis_departs_from_scoring_alone(tmp_path, monkeypatch, capsys):
     reference = Ranker.score_reference
     monkeypatch.setattr(Ranker, "score_reference", lambda self, h, c: reference(self, h, c) + 1e-2)
+    # the timed sections are the test above's; here only the checks and the exit code count
+    row = {"scores_per_s": 1.0}
+    monkeypatch.setattr(gpu_check, "mis_rows", lambda device, sizes, peak, checks: [row])
+    monkeypatch.setattr(gpu_check, "batch_rows", lambda device, sizes: [row])
+    monkeypatch.setattr(gpu_check, "train_row", lambda device, steps: {"windows_per_s": 1.0})
     assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
     assert report["ok"] is False
