@@ -4,7 +4,6 @@ read back, and its ratio the closed form."""
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from benchmarks import kv_sweep
 from models.config import CollectiveKVConfig
 from pipelines import train_kv_pool
+from tests.tiny import logged_warnings
 
 
 def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
@@ -21,18 +21,14 @@ def test_sweep_rows_come_from_stored_states_at_the_closed_form_ratio(
     scores are the resumed sweep's (next test), whose fit the tiny chain made."""
     ds, out, base = tiny_trained["dataset"], str(tmp_path / "out"), tiny_trained["base"]
     path = tmp_path / "sweep.json"
-    warned: list[str] = []
-    catch = logging.Handler(logging.WARNING)
-    catch.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("kvrank.train_kv_pool").addHandler(catch)
-    kv_sweep.main(
-        ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
-        + ["--pool-sizes", "", "--low-ranks", "4", "--max-users", "20"]
-        + ["--max-steps", "2", "--val-users", "8", "--sample-states", "--json", str(path)]
-        + ["--lr", "0"]  # the fitted start, unchanged by the fine-tune: see the last check
-        + ["--init-tokens", "150"]
-    )
-    logging.getLogger("kvrank.train_kv_pool").removeHandler(catch)
+    with logged_warnings("kvrank.train_kv_pool") as warned:
+        kv_sweep.main(
+            ["--dataset-uri", ds, "--checkpoint", base["checkpoint"], "--out", out]
+            + ["--pool-sizes", "", "--low-ranks", "4", "--max-users", "20"]
+            + ["--max-steps", "2", "--val-users", "8", "--sample-states", "--json", str(path)]
+            + ["--lr", "0"]  # the fitted start, unchanged by the fine-tune: see the last check
+            + ["--init-tokens", "150"]
+        )
     result = json.loads(path.read_text())
     rows = {r["method"]: r for r in result["rows"]}
     # per token and layer: fp16 K and V of width 32 are 128 bytes; int8 adds a scale per head;

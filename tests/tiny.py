@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 
 import numpy as np
 import polars as pl
@@ -81,7 +83,6 @@ TINY_TEACHER += ["--max-len", "10", "--max-steps", "3"]
 
 def main_json(main, args: list[str]) -> dict:
     """A job's ``main(args)`` run outside a test (in a fixture): its one-line JSON summary."""
-    import contextlib
     import io
 
     buf = io.StringIO()
@@ -97,14 +98,25 @@ TINY_FIT = ["--run", "ckv", "--user-dim", "2", "--init-tokens", "100", "--epochs
 TINY_FIT += ["--max-steps", "2", *TINY_TRAIN, "--base-distill-weight", "1", "--tune", "kv"]
 
 
+@contextlib.contextmanager
+def logged_warnings(logger: str):
+    """The messages ``logger`` warns (or worse) while the block runs, as a list."""
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger(logger).addHandler(catch)
+    try:
+        yield warned
+    finally:
+        logging.getLogger(logger).removeHandler(catch)
+
+
 def tiny_chain(ds: str, out: str) -> dict:
     """On the tiny dataset ``ds``: train a one-epoch tiny id ranker (run "base"), fit its
     CollectiveKV pools (train_kv_pool's command line, ``TINY_FIT``) and build every user's
     state, all under ``out``: {"base", "fit", "states"}, the jobs' summaries
     (``states["user_states"]`` is the manifest URI), and "fit_warnings", what train_kv_pool
     logged as warnings."""
-    import logging
-
     from pipelines import build_user_states, train_kv_pool, train_ranker
     from pipelines.common import ranker_training
 
@@ -114,17 +126,10 @@ def tiny_chain(ds: str, out: str) -> dict:
     rc, tc = train_ranker.configs_from_args(args, 5)
     base = ranker_training.train(ds, None, out, "base", rc, tc)
     common = ["--dataset-uri", ds, "--out", out]
-    warned: list[str] = []
-    catch = logging.Handler(logging.WARNING)
-    catch.emit = lambda record: warned.append(record.getMessage())
-    logger = logging.getLogger("kvrank.train_kv_pool")
-    logger.addHandler(catch)
-    try:
+    with logged_warnings("kvrank.train_kv_pool") as warned:
         fit = main_json(
             train_kv_pool.main, [*common, "--checkpoint", base["checkpoint"], *TINY_FIT]
         )
-    finally:
-        logger.removeHandler(catch)
     states = main_json(
         build_user_states.main, [*common, "--checkpoint", fit["checkpoint"], "--actors", "1"]
     )
