@@ -59,20 +59,28 @@ def test_the_new_items_table_is_rendered_from_a_cold_start_run(tmp_path, monkeyp
     assert len(table["models"]) == 7 and table["fusion_weight"] == {"text+id": 50.0, "text": 20.0}
     assert table["models"]["ranker id"]["new_hr100"] == 0.5
     stages = [{"stage": f"train {k}", "item_input": k, "epochs_run": 3} for k in ("text+id", "id")]
-    (tmp_path / "cold_start_ml-latest-small.json").write_text(
-        json.dumps(
-            {
-                "table": table,
-                "stages": stages,
-                "recipe": "configs/ml-latest-small.yaml",
-                "date": "2026-12-06",
-                "holdout_items": 0.1,
-                "training_cap": {"max_minutes": None, "epochs": None},
-            }
-        )
-    )
     monkeypatch.setattr(readme, "RESULTS", tmp_path)
+    assert readme.cold_start() == []  # nothing measured: no section
+    for ds, cap in (("ml-latest-small", None), ("amazon-videogames-2018", 2)):
+        (tmp_path / f"cold_start_{ds}.json").write_text(
+            json.dumps(
+                {
+                    "table": table,
+                    "stages": stages,
+                    "recipe": f"configs/{ds}.yaml",
+                    "date": "2026-12-06",
+                    "holdout_items": 0.1,
+                    "training_cap": {"max_minutes": None, "epochs": cap},
+                }
+            )
+        )
     lines = readme.cold_start()
     assert lines[0].startswith("| ml-latest-small: model | new items (3 users): NDCG@10 | HR@100")
     assert "| ranker id | 0.1000 ± 0.0100 | 0.500 | 40 | 0.3000 | 0.0000 | 0.4000 |" in lines
-    assert "Epochs trained: text+id 3, id 3." in lines[-1]
+    assert not [ln for ln in lines if ln.startswith("| most popular")]  # left in the JSON
+    # a table per dataset, then one caption naming each run
+    second = lines.index("") + 1
+    assert lines[second].startswith("| amazon-videogames-2018: model | new items (3 users)")
+    assert lines[-2] == "" and lines.count("") == 2
+    assert "(2026-12-06; 10% of the items held out; epochs trained: text+id 3, id 3)" in lines[-1]
+    assert "epochs trained: text+id 3, id 3, capped at 2 epochs)" in lines[-1]
