@@ -8,7 +8,8 @@ Runs, every job with ``--config <recipe>``: prepare_data ``--holdout-items`` (10
 interacted items, seeded, left in the catalog but out of every history and validation item) ->
 encode_items (or ``--vectors-uri``: the catalog's vectors already encoded; the catalog is the
 same) -> three rankers: ``text+id`` (the recipe's), ``text`` (item text vectors alone) and
-``id`` (learned item ids alone, the id-only baseline) -> fit_item_prior -> evaluate twice with
+``id`` (learned item ids alone, the id-only baseline) -> fit_item_prior (the new items
+borrowing their text neighbours' weights) -> evaluate twice with
 the prior (text+id beside the id ranker, then text), each over its seeded sample plus the
 users whose test item is a new item.
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             | {"argv": args}
         )
         checkpoints[kind] = done[-1]["checkpoint"]
-    args = [*common, "--run", f"{dataset}-cold-prior"]
+    args = [*common, "--run", f"{dataset}-cold-prior", "--vectors-uri", vectors]
     done.append(
         run_stage("fit prior", fit_item_prior.main, fit_item_prior.__name__, args) | {"argv": args}
     )

@@ -24,6 +24,13 @@ same weights the "next" fit gave its context.
     prior = ItemPrior.fit(histories, n_items, PriorConfig(l2=200.0, neighbours=200))
     scores = prior.scores([torch.tensor([3, 17, 5])])   # (1, n_items)
 
+An item no training history holds (new to the catalog) has an empty row and column under
+either fit: nothing votes for it, so fused with the ranker it ranks below every item the
+user's recent items vote for, however well the ranker scores its text. Given the items' text
+vectors, ``borrow_from_text_neighbours`` gives such an item the softmax-weighted mix of the
+rows and columns of its nearest interacted items by cosine: it receives and casts votes as
+its text neighbours do.
+
 Plain PyTorch; the pipeline job (``pipelines.fit_item_prior``) fits, tunes and stores it.
 """
 
@@ -148,6 +155,51 @@ def sparsify(b: Tensor, neighbours: int) -> tuple[Tensor, Tensor]:
     return idx.to(torch.int32), w.float()
 
 
+# how sharply an unseen item's borrowed weights favour its nearest text neighbour: a softmax
+# over cosine similarities at this temperature. On amazon-videogames-2018 with 10% of the items
+# held out (the prior alone, ease, its 10 nearest): 0.05 gave the held-out items' users NDCG@10
+# 0.006 and left every other figure within 1.5%; 1.0 (near-uniform) 0.0019; copying the single
+# nearest item 0.0124 but cost 10% on validation (near-duplicate editions crowd the top 10)
+NEIGHBOUR_TEMPERATURE = 0.05
+
+
+def interacted_items(histories: list[Tensor], n_items: int) -> Tensor:
+    """(n_items,) bool: which items some history holds."""
+    seen = torch.zeros(n_items, dtype=torch.bool)
+    for h in histories:
+        seen[h.long()] = True
+    return seen
+
+
+def borrow_from_text_neighbours(
+    b: Tensor, interacted: Tensor, vectors: Tensor, k: int, chunk: int = 256
+) -> tuple[Tensor, int]:
+    """``b`` (N, N) dense item-item weights with each item that no training history holds
+    (``interacted`` (N,) bool false) and that has a vector (``vectors`` (N, dim), zero rows:
+    none) given the weighted mix of its ``k`` nearest interacted items' rows and columns. In
+    place; returns (b, how many items borrowed). The diagonal stays zero."""
+    unit = torch.nn.functional.normalize(vectors.float(), dim=1)
+    has_vector = vectors.abs().sum(dim=1) > 0
+    seen = (interacted & has_vector).nonzero().squeeze(1)
+    new = (~interacted & has_vector).nonzero().squeeze(1)
+    if k < 1 or not len(new) or not len(seen):
+        return b, 0
+    k = min(k, len(seen))
+    sims, idx = (unit[new] @ unit[seen].T).topk(k, dim=1)
+    w = torch.softmax(sims / NEIGHBOUR_TEMPERATURE, dim=1).to(b.dtype)  # (U, k)
+    donors = seen[idx]  # (U, k)
+    parts = [
+        (new[a : a + chunk], donors[a : a + chunk], w[a : a + chunk])
+        for a in range(0, len(new), chunk)
+    ]
+    for u, d, wu in parts:  # the votes it receives
+        b[:, u] = torch.einsum("nuk,uk->nu", b[:, d], wu)
+    for u, d, wu in parts:  # the votes it casts
+        b[u, :] = torch.einsum("ukn,uk->un", b[d, :], wu)
+    b.fill_diagonal_(0.0)
+    return b, len(new)
+
+
 class ItemPrior:
     """The sparse item-item weights and how a user's recent items read them. ``index`` (N, K)
     int32 and ``weight`` (N, K) float32: row i says how much item i votes for each of its K
@@ -163,12 +215,24 @@ class ItemPrior:
         return self.index.shape[0]
 
     @classmethod
-    def fit(cls, histories: list[Tensor], n_items: int, cfg: PriorConfig) -> ItemPrior:
+    def fit(
+        cls,
+        histories: list[Tensor],
+        n_items: int,
+        cfg: PriorConfig,
+        vectors: Tensor | None = None,
+        text_neighbours: int = 0,
+    ) -> ItemPrior:
+        """Fit ``cfg`` on ``histories``; given item ``vectors``, each item no history holds
+        borrows from its ``text_neighbours`` nearest interacted items."""
         if cfg.kind == "ease":
             b = ease_weights(cooccurrence(histories, n_items), cfg.l2)
         else:
             grams = next_item_grams(histories, n_items, cfg.recent, cfg.decay)
             b = next_item_weights(*grams, cfg.l2)
+        if vectors is not None and text_neighbours:
+            seen = interacted_items(histories, n_items)
+            b = borrow_from_text_neighbours(b, seen, vectors, text_neighbours)[0]
         return cls(*sparsify(b, cfg.neighbours), cfg)
 
     def with_recency(self, recent: int, decay: float) -> ItemPrior:

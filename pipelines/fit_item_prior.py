@@ -3,7 +3,7 @@ fit and how it reads a user's recent items on the validation split, and publish 
 
     python -m pipelines.fit_item_prior --dataset-uri out/datasets/ml-latest-small --out out \\
         [--run NAME] [--kind next,ease] [--l2 200] [--neighbours 200] [--recent 10,20]
-        [--decay 0.8,0.9] [--val-users 2000]
+        [--decay 0.8,0.9] [--val-users 2000] [--vectors-uri DIR] [--text-neighbours 10]
 
 The fit sees each user's history only (the training part of the split), never a validation or
 test item, so the validation that picks ``--kind``, ``--l2``, ``--recent`` and ``--decay`` (each
@@ -15,6 +15,13 @@ sampled user's validation item over the full catalog minus their history, by the
 Each solve is dense N x N (N items: 9,742 for ml-latest-small, 16,859 for amazon, 1.1 GB in
 float32) in this process: nothing in it splits across a cluster, so it runs in the driver
 whether started directly or under ``ray job submit``.
+
+Items no training history holds (new to the catalog, or held out by ``prepare_data
+--holdout-items``) would score 0 under any fit; each one with a text vector borrows the rows and
+columns of its ``--text-neighbours`` nearest interacted items (``models.item_prior``), so the
+served score can rank a new item its text neighbours' voters would want. The vectors are the
+default encoder's under ``--out`` unless ``--vectors-uri`` names others; without any, the job
+says so and those items keep 0.
 
 Writes ``<out>/item_priors/<dataset>/<run>/``: ``prior.parquet`` (vid, neighbours list<int32>,
 weights list<float32>) and ``_SUCCESS.json`` (the picked config, the validation grid). The
@@ -33,15 +40,18 @@ import numpy as np
 import torch
 
 from artifacts import storage
-from artifacts.data import user_sequences
+from artifacts.data import encoder_tag, item_table, user_sequences, vectors_uri
 from artifacts.prior import PRIOR_FILE, prior_table
+from models.config import EncoderConfig
 from models.errors import InputError
 from models.item_prior import (
     KINDS,
     ItemPrior,
     PriorConfig,
+    borrow_from_text_neighbours,
     cooccurrence,
     ease_weights,
+    interacted_items,
     next_item_grams,
     next_item_weights,
     sparsify,
@@ -87,6 +97,8 @@ def fit_item_prior(
     recents: list[int] | None = None,
     decays: list[float] | None = None,
     val_users: int = 2000,
+    vectors_uri: str | None = None,
+    text_neighbours: int = 10,
     seed: int = 0,
 ) -> dict:
     t0 = time.perf_counter()
@@ -114,6 +126,29 @@ def fit_item_prior(
         pick = np.sort(np.random.default_rng(seed).choice(len(hists), val_users, replace=False))
     val_h = [hists[i] for i in pick]
     val_t = torch.as_tensor(seqs["valid"].to_numpy()[pick])
+    interacted = interacted_items(hists, n_items)
+    unseen = int((~interacted).sum())
+    vectors, borrowed = None, 0
+    if text_neighbours and unseen and vectors_uri:
+        vectors_uri = storage.pinned(vectors_uri)
+        vectors = item_table(vectors_uri, n_items)[0]
+        log.info(
+            "%d items without a training interaction borrow from their %d nearest by text",
+            *(unseen, text_neighbours),
+        )
+    elif text_neighbours and unseen:
+        log.warning(
+            "no item vectors: the %d items without a training interaction keep prior 0 "
+            "(run encode_items first, or pass --vectors-uri)",
+            unseen,
+        )
+
+    def borrow(b: torch.Tensor) -> torch.Tensor:
+        nonlocal borrowed
+        if vectors is not None:
+            b, borrowed = borrow_from_text_neighbours(b, interacted, vectors, text_neighbours)
+        return b
+
     log.info(
         "fitting on %d users' histories (%d interactions), %d items; validating on %d users",
         len(hists),
@@ -122,7 +157,7 @@ def fit_item_prior(
         len(val_h),
     )
     results, best = [], None
-    for cfg, prior in fits(grid, hists, n_items):
+    for cfg, prior in fits(grid, hists, n_items, borrow):
         nd, hr = validate(prior, val_h, val_t)
         results.append(cfg.to_dict() | {"val_ndcg10": round(nd, 5), "val_hr10": round(hr, 4)})
         log.info(
@@ -147,6 +182,9 @@ def fit_item_prior(
                 "val_ndcg10": nd,
                 "val_hr10": hr,
                 "grid": results,
+                "vectors_uri": vectors_uri if vectors is not None else None,
+                "text_neighbours": text_neighbours if vectors is not None else 0,
+                "borrowed_items": borrowed,
             }
         )
     except BaseException:
@@ -162,20 +200,23 @@ def fit_item_prior(
         "val_ndcg10": round(nd, 4),
         "val_hr10": round(hr, 4),
         "configs_tried": len(results),
+        "borrowed_items": borrowed,
         "out": target,
         "seconds": round(time.perf_counter() - t0, 1),
     }
 
 
-def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int):
+def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int, borrow=None):
     """Each config of ``grid`` fitted, as (config, ItemPrior), solving no more than it must:
-    an "ease" solve per l2 (its recency is only how it is read), a "next" solve per config."""
+    an "ease" solve per l2 (its recency is only how it is read), a "next" solve per config.
+    ``borrow`` (dense weights -> dense weights) runs on each solve before it is made sparse."""
+    borrow = borrow or (lambda b: b)
     ease = [c for c in grid if c.kind == "ease"]
     if ease:
         gram = cooccurrence(hists, n_items)
         for l2 in dict.fromkeys(c.l2 for c in ease):
             t1 = time.perf_counter()
-            index, weight = sparsify(ease_weights(gram, l2), ease[0].neighbours)
+            index, weight = sparsify(borrow(ease_weights(gram, l2)), ease[0].neighbours)
             log_solve("ease", l2, t1)
             for cfg in (c for c in ease if c.l2 == l2):
                 yield cfg, ItemPrior(index, weight, cfg)
@@ -184,7 +225,7 @@ def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int):
         grams = next_item_grams(hists, n_items, *recency)
         for cfg in (c for c in nxt if (c.recent, c.decay) == recency):
             t1 = time.perf_counter()
-            index, weight = sparsify(next_item_weights(*grams, cfg.l2), cfg.neighbours)
+            index, weight = sparsify(borrow(next_item_weights(*grams, cfg.l2)), cfg.neighbours)
             log_solve("next", cfg.l2, t1)
             yield cfg, ItemPrior(index, weight, cfg)
 
@@ -224,9 +265,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recent", type=ints, default=None, help="newest items voting (per kind)")
     p.add_argument("--decay", type=floats, default=None, help="vote decay (default: per kind)")
     p.add_argument("--val-users", type=int, default=2000, help="0: every user")
+    p.add_argument(
+        "--vectors-uri",
+        default=None,
+        help="item_vectors folder the items without interactions borrow through "
+        "(default: the default encoder's under --out, when published)",
+    )
+    p.add_argument(
+        "--text-neighbours",
+        type=int,
+        default=10,
+        help="interacted items, nearest by text, that an item without interactions borrows "
+        "its weights from; 0: it keeps prior 0",
+    )
     a = cli.parse(p, argv)
-    return jobs.run(
-        lambda: fit_item_prior(
+    if a.text_neighbours < 0:
+        p.error(f"--text-neighbours must be 0 or more, got {a.text_neighbours}")
+
+    def job() -> dict:
+        vectors = a.vectors_uri
+        if vectors is None and a.text_neighbours > 0:
+            name = storage.read_marker(a.dataset_uri)["name"]
+            default = vectors_uri(a.out, name, encoder_tag(EncoderConfig()))
+            vectors = default if storage.exists(storage.join(default, storage.MARKER)) else None
+        return fit_item_prior(
             a.dataset_uri,
             a.out,
             run=a.run,
@@ -236,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             recents=a.recent,
             decays=a.decay,
             val_users=a.val_users,
+            vectors_uri=vectors,
+            text_neighbours=a.text_neighbours,
         )
-    )
+
+    return jobs.run(job)
 
 
 if __name__ == "__main__":

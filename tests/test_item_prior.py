@@ -11,8 +11,10 @@ import torch
 
 from models.item_prior import (
     FUSION_WEIGHTS,
+    NEIGHBOUR_TEMPERATURE,
     ItemPrior,
     PriorConfig,
+    borrow_from_text_neighbours,
     cooccurrence,
     ease_weights,
     fuse,
@@ -110,6 +112,45 @@ def test_the_next_item_fit_knows_order_and_ease_only_what_sits_beside():
     scores = nxt.scores([torch.tensor([6, 7])])[0]
     assert scores.argmax().item() == 8  # what follows 7
     assert scores[8] > 2 * scores[5]  # not what came before, as EASE has it
+
+
+def test_an_item_without_interactions_borrows_its_text_neighbours_rows_and_columns():
+    n = 8
+    hists = [torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3]), torch.tensor([3, 4, 0])]
+    b = ease_weights(cooccurrence(hists, n), 1.0)  # items 5, 6, 7: in no history
+    assert not b[:, 5:].any() and not b[5:, :].any()
+    vectors = torch.zeros(n, 3)
+    vectors[:5] = torch.tensor(
+        [[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [1.0, 1.0, 0], [0, 1.0, 1.0]]
+    )
+    vectors[5] = torch.tensor([1.0, 0.1, 0])  # nearest: item 0, then 3
+    vectors[6] = torch.tensor([0, 0, 2.0])  # the same direction as item 2
+    interacted = torch.zeros(n, dtype=torch.bool)
+    interacted[:5] = True  # item 7 has no vector: it is left alone
+    before = b.clone()
+    out, borrowed = borrow_from_text_neighbours(b.clone(), interacted, vectors, k=2)
+    assert borrowed == 2
+    unit = torch.nn.functional.normalize(vectors, dim=1)
+    for new in (5, 6):
+        sims, near = (unit[new] @ unit[:5].T).topk(2)
+        w = torch.softmax(sims / NEIGHBOUR_TEMPERATURE, dim=0)
+        want_col = before[:5, near] @ w  # the votes it receives from interacted items
+        torch.testing.assert_close(out[:5, new], want_col)
+        want_row = w @ before[near, :5]  # the votes it casts for them
+        torch.testing.assert_close(out[new, :5], want_row)
+    torch.testing.assert_close(out[:5, :5], before[:5, :5])  # the interacted part unchanged
+    assert not out[7].any() and not out[:, 7].any() and not out.diagonal().any()
+    # read as a prior: a user who had item 2's voters now ranks item 6 where item 2 stood
+    prior = ItemPrior(*sparsify(out, 7), PriorConfig(recent=3, kind="ease"))
+    s = prior.scores([torch.tensor([1, 3])])[0]
+    assert s[6] == pytest.approx(float(s[2]), rel=0.01) and s[6] != 0  # item 4 weighs 0.3%
+    # a fit given the vectors borrows the same way
+    fitted = ItemPrior.fit(hists, n, PriorConfig(l2=1.0, neighbours=7, kind="ease"), vectors, 2)
+    torch.testing.assert_close(fitted.weight, sparsify(out, 7)[1])
+    # k 0, or nothing to borrow: unchanged
+    assert torch.equal(
+        borrow_from_text_neighbours(before.clone(), interacted, vectors, 0)[0], before
+    )
 
 
 def test_the_fused_score_ranks_any_candidate_subset_as_the_whole_catalog():

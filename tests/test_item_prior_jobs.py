@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from models.item_prior import FUSION_WEIGHTS
 from models.metrics import ranks_from_scores
 from pipelines import evaluate, fit_item_prior
 from pipelines.common.scoring import ScoreUsers
-from tests.tiny import run_json
+from tests.tiny import logged_warnings, run_json
 
 GRID = ["--l2", "1,50", "--recent", "1,3", "--decay", "0.5,1", "--neighbours", "8"]
 
@@ -34,10 +35,38 @@ def fused_evaluation(capsys, ds: str, out: str, ranker_args: list[str]):
     return prior, s, json.loads(storage.read_file(s["report"], "metrics.json"))
 
 
+def publish_genre_vectors(ds: str, out: str) -> str:
+    """The tiny catalog's item vectors as the default encoder would publish them under
+    ``out``, each item's vector its genre (one-hot): what a text encoder would group."""
+    import pyarrow as pa
+
+    from artifacts.data import encoder_tag, vectors_uri
+    from models.config import EncoderConfig
+    from tests.tiny import GENRES, N_ITEMS
+
+    items = pl.from_arrow(storage.read_table(ds, "items.parquet"))
+    vids, ids = items["vid"].to_numpy(), items["item_id"].to_numpy()
+    vec = np.eye(len(GENRES), dtype=np.float16)[ids % len(GENRES)]
+    target = vectors_uri(out, "tiny", encoder_tag(EncoderConfig()))
+    pub = storage.Publication(target)
+    table = pa.table({"vid": pa.array(vids, pa.int32()), "vector": list(vec)})
+    pub.put_table("vectors.parquet", table)
+    pub.publish({"kind": "item_vectors", "dim": len(GENRES), "items": N_ITEMS})
+    return target
+
+
 def test_the_prior_is_fitted_picked_on_validation_and_published(tiny, capsys):
     ds, out = tiny["dataset"], tiny["out"]
     argv = ["--dataset-uri", ds, "--out", out, *GRID, "--kind", "next,ease"]
-    s = run_json(capsys, fit_item_prior.main, argv)
+    with logged_warnings("kvrank.fit_item_prior") as warned:
+        s = run_json(capsys, fit_item_prior.main, argv)
+    # no encoder output under --out: the items no history holds keep 0, and the job says so
+    never = s["items"] - len(np.unique(np.concatenate(user_sequences(ds)["hist"].to_list())))
+    assert never > 0 and s["borrowed_items"] == 0
+    assert warned == [
+        f"no item vectors: the {never} items without a training interaction keep prior 0 "
+        "(run encode_items first, or pass --vectors-uri)"
+    ]
     marker = storage.read_marker(s["out"])
     grid = marker["grid"]
     assert len(grid) == s["configs_tried"] == 2 * 2 * 2 * 2  # kind x l2 x recent x decay
@@ -169,8 +198,6 @@ def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
     """On a dataset with held-out items, evaluate scores every model over the users whose test
     item is new (added beside the seeded sample), and over the sample by the test item's
     popularity in the training inputs; the catalog-wide figures stay the sample's."""
-    import polars as pl
-
     from artifacts.data import held_out_vids
     from pipelines import prepare_data
     from tests.tiny import base_texts, write_catalog, write_sequences
@@ -181,8 +208,15 @@ def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
     prep = run_json(capsys, prepare_data.main, [*argv, "--holdout-items", "0.25"])
     assert prep["held_out_items"] == 12 and 0 < prep["new_item_test_users"] < 20, prep
     ds = prep["out"]
+    vectors = publish_genre_vectors(ds, out)  # found by fit_item_prior under --out
     base = tiny_trained["base"]["checkpoint"]  # the same catalog of 60 items
-    _, s, report = fused_evaluation(capsys, ds, out, ["--checkpoint", base, "--max-users", "20"])
+    prior, s, report = fused_evaluation(
+        capsys, ds, out, ["--checkpoint", base, "--max-users", "20"]
+    )
+    hists = user_sequences(ds)["hist"].to_list()
+    never = prior["items"] - len(np.unique(np.concatenate(hists)))
+    assert prior["borrowed_items"] == never >= prep["held_out_items"]
+    assert storage.read_marker(prior["out"])["vectors_uri"] == storage.pinned(vectors)
     per_user = pl.from_arrow(storage.read_table(s["report"], "per_user.parquet"))
     held = held_out_vids(ds)
     tests = dict(zip(*user_sequences(ds).select("user_id", "test"), strict=True))
@@ -199,8 +233,11 @@ def test_evaluate_reports_new_items_beside_its_sample_and_the_long_tail(
         assert 0 <= v["ndcg10"] <= v["hr10"] <= v["hr100"] <= 1 and v["ndcg10_se"] >= 0
         ranks = per_user.filter("new_item")[f"{m}_full_rank"].to_numpy()
         assert v["median_rank"] == np.median(ranks) == s[f"{m}_new_median_rank"]
-    # most-popular ranks an item no input holds below every item some input does
+    # most-popular ranks an item no input holds below every item some input does; the prior,
+    # its votes borrowed from the item's genre, ranks it where that genre's users look
     assert s["most_popular_new_full_ndcg10"] == 0
+    assert s["item_prior_new_median_rank"] < 20 < s["most_popular_new_median_rank"], s
+    assert s["item_prior_new_full_ndcg10"] > 0
     tail = report["by_item_popularity"]
     assert tail == s["by_item_popularity"] and sum(tail["users"]) == 20
     sample = per_user.filter("in_sample")
@@ -218,6 +255,7 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     """train_ranker --item-prior: each user's windows read a prior refitted without their fold,
     the learned weight moves and is published with the prior's name; evaluate then fuses the
     ranker with that prior at that weight (not one picked afterwards) and refuses another."""
+    from artifacts.data import item_table
     from models.errors import InputError
     from models.item_prior import ItemPrior
     from pipelines import train_ranker
@@ -227,7 +265,9 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     # a relative --out, as `make demo` passes it (Ray Train and the actors need it made absolute)
     monkeypatch.chdir(tiny["dir"])
     ds, out = tiny["dataset"], "out"
+    vectors = publish_genre_vectors(ds, out)  # the items no history holds borrow from these
     prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
+    assert prior["borrowed_items"] > 0
     argv = ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "2", *TINY_SHAPE]
     # a starting weight without the prior it weighs: refused by name
     assert train_ranker.main([*argv, "--prior-weight", "5"]) != 0
@@ -251,7 +291,8 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     assert stacked.index.shape[0] == 6 and stacked.prior(5).weight.equal(published.weight)
     hists = [torch.as_tensor(np.asarray(h)) for h in users["hist"].to_list()]
     refit = ItemPrior.fit(
-        [h for h, f in zip(hists, folds, strict=True) if f != 3], 60, published.cfg
+        [h for h, f in zip(hists, folds, strict=True) if f != 3],
+        *(60, published.cfg, item_table(vectors, 60)[0], 10),  # borrowing as it was published
     )
     assert stacked.prior(3).weight.equal(refit.weight) and not refit.weight.equal(published.weight)
     # evaluate fuses it at its own weight with its own prior

@@ -62,6 +62,7 @@ def fold_priors(
     them to ``target`` stacked with the published prior (fitted on everyone: the one
     validation, evaluation and serving read) last - what training's offsets come from.
     Returns the calibrated starting weight, out of fold (``calibrated_weight``)."""
+    from artifacts.data import item_table
     from artifacts.prior import read_prior
     from models.item_prior import ItemPrior, StackedPriors
 
@@ -71,11 +72,15 @@ def fold_priors(
             f"{item_prior} was fitted on {marker.get('dataset_uri')}, not on {dataset_uri}"
         )
     hists = [torch.as_tensor(np.asarray(h, dtype=np.int64)) for h in users["hist"].to_list()]
+    # as the published prior did, an item no history of the rest holds borrows from its text
+    # neighbours: the offsets training reads are what serving reads for such an item
+    k = int(marker.get("text_neighbours") or 0)
+    vectors = item_table(marker["vectors_uri"], n_items)[0] if k else None
     fitted = []
     for f in range(PRIOR_FOLDS):
         t0 = time.perf_counter()
         rest = [h for h, g in zip(hists, folds, strict=True) if g != f]
-        fitted.append(ItemPrior.fit(rest, n_items, full.cfg))
+        fitted.append(ItemPrior.fit(rest, n_items, full.cfg, vectors, k))
         log.info(
             "item prior without fold %d/%d (%d users) refitted in %.1f s",
             f + 1,
