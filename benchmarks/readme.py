@@ -111,9 +111,16 @@ def cold_start() -> list[str]:
             epochs += f", capped at {cap['max_minutes']} minutes"
         if cap.get("epochs"):
             epochs += f", capped at {cap['epochs']} epochs"
+        prior = next((s for s in report["stages"] if s["stage"] == "fit prior"), {})
+        borrowed = (
+            f"; {prior['borrowed_items']:,} items without interactions borrowing the prior's "
+            "weights of their nearest items by text"
+            if prior.get("borrowed_items")
+            else ""
+        )
         runs.append(
             f"`--config {report['recipe']}` ({report['date']}; {report['holdout_items']:.0%} of "
-            f"the items held out; epochs trained: {epochs})"
+            f"the items held out; epochs trained: {epochs}{borrowed})"
         )
     if not runs:
         return []
@@ -122,8 +129,8 @@ def cold_start() -> list[str]:
         "training input (`prepare_data --holdout-items`); full-catalog NDCG@10 of the users "
         "whose test item is one of them (± its standard error), of the seeded sample, and of the "
         "sample by the test item's interactions in the training inputs (users per bucket); "
-        "fused weights picked on validation. Most popular, which scores a new item last like the "
-        "prior, is in the runs' JSON (`benchmarks/results/cold_start_<dataset>.json`)."
+        "fused weights picked on validation. Most popular, which scores a new item last, is in "
+        "the runs' JSON (`benchmarks/results/cold_start_<dataset>.json`)."
     ]
 
 

@@ -62,11 +62,12 @@ def test_the_new_items_table_is_rendered_from_a_cold_start_run(tmp_path, monkeyp
     monkeypatch.setattr(readme, "RESULTS", tmp_path)
     assert readme.cold_start() == []  # nothing measured: no section
     for ds, cap in (("ml-latest-small", None), ("amazon-videogames-2018", 2)):
+        prior = {"stage": "fit prior", "borrowed_items": 1705 if cap else 0}
         (tmp_path / f"cold_start_{ds}.json").write_text(
             json.dumps(
                 {
                     "table": table,
-                    "stages": stages,
+                    "stages": [*stages, prior],
                     "recipe": f"configs/{ds}.yaml",
                     "date": "2026-12-06",
                     "holdout_items": 0.1,
@@ -83,4 +84,8 @@ def test_the_new_items_table_is_rendered_from_a_cold_start_run(tmp_path, monkeyp
     assert lines[second].startswith("| amazon-videogames-2018: model | new items (3 users)")
     assert lines[-2] == "" and lines.count("") == 2
     assert "(2026-12-06; 10% of the items held out; epochs trained: text+id 3, id 3)" in lines[-1]
-    assert "epochs trained: text+id 3, id 3, capped at 2 epochs)" in lines[-1]
+    # a run whose prior lent new items their text neighbours' weights says how many
+    assert (
+        "epochs trained: text+id 3, id 3, capped at 2 epochs; 1,705 items without interactions "
+        "borrowing the prior's weights of their nearest items by text)" in lines[-1]
+    )
