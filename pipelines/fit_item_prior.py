@@ -35,6 +35,7 @@ import itertools
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -133,8 +134,10 @@ def fit_item_prior(
         vectors_uri = storage.pinned(vectors_uri)
         vectors = item_table(vectors_uri, n_items)[0]
         log.info(
-            "%d items without a training interaction borrow from their %d nearest by text",
-            *(unseen, text_neighbours),
+            "%d items without a training interaction borrow from their %d nearest by text "
+            "(those with a vector)",
+            unseen,
+            text_neighbours,
         )
     elif text_neighbours and unseen:
         log.warning(
@@ -206,7 +209,12 @@ def fit_item_prior(
     }
 
 
-def fits(grid: list[PriorConfig], hists: list[torch.Tensor], n_items: int, borrow=None):
+def fits(
+    grid: list[PriorConfig],
+    hists: list[torch.Tensor],
+    n_items: int,
+    borrow: Callable[[torch.Tensor], torch.Tensor] | None = None,
+):
     """Each config of ``grid`` fitted, as (config, ItemPrior), solving no more than it must:
     an "ease" solve per l2 (its recency is only how it is read), a "next" solve per config.
     ``borrow`` (dense weights -> dense weights) runs on each solve before it is made sparse."""
