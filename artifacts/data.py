@@ -125,6 +125,12 @@ def vectors_uri(out: str, dataset: str, encoder_tag: str) -> str:
     return storage.join(out, "item_vectors", dataset, encoder_tag)
 
 
+def default_vectors_uri(out: str, dataset: str) -> str:
+    """Where ``encode_items`` with its default encoder publishes ``dataset``'s vectors under
+    ``out``: what a job reads when no ``--vectors-uri`` is given."""
+    return vectors_uri(out, dataset, encoder_tag(EncoderConfig()))
+
+
 def item_table(vectors_dir: str, n_items: int) -> tuple[torch.Tensor, int]:
     """The (n_items, dim) float32 table by vid from a published item_vectors folder; items
     without a vector (skipped by the encoder) get zeros. Returns (table, missing count)."""

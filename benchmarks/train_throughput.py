@@ -183,10 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     rc, tc = train_ranker.configs_from_args(job, int(marker.get("feedback_classes", 5)))
     vectors = job.vectors_uri
     if vectors is None and rc.reads_vectors:
-        from artifacts.data import encoder_tag, vectors_uri
-        from models.config import EncoderConfig
+        from artifacts.data import default_vectors_uri
 
-        vectors = vectors_uri(job.out, marker["name"], encoder_tag(EncoderConfig()))
+        vectors = default_vectors_uri(job.out, marker["name"])
     row = {
         "label": a.label,
         "dataset": marker["name"],

@@ -41,9 +41,8 @@ import numpy as np
 import torch
 
 from artifacts import storage
-from artifacts.data import encoder_tag, item_table, user_sequences, vectors_uri
+from artifacts.data import default_vectors_uri, item_table, user_sequences
 from artifacts.prior import PRIOR_FILE, prior_table
-from models.config import EncoderConfig
 from models.errors import InputError
 from models.item_prior import (
     KINDS,
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         vectors = a.vectors_uri
         if vectors is None and a.text_neighbours > 0:
             name = storage.read_marker(a.dataset_uri)["name"]
-            default = vectors_uri(a.out, name, encoder_tag(EncoderConfig()))
+            default = default_vectors_uri(a.out, name)
             vectors = default if storage.exists(storage.join(default, storage.MARKER)) else None
         return fit_item_prior(
             a.dataset_uri,

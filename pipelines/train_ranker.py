@@ -126,10 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         run = a.run or f"{marker['name']}-{a.item_input.replace('+', '-')}"
         vectors = a.vectors_uri
         if vectors is None and a.item_input != "id":
-            from artifacts.data import encoder_tag, vectors_uri
-            from models.config import EncoderConfig
+            from artifacts.data import default_vectors_uri
 
-            vectors = vectors_uri(a.out, marker["name"], encoder_tag(EncoderConfig()))
+            vectors = default_vectors_uri(a.out, marker["name"])
         return train(
             a.dataset_uri,
             vectors,

@@ -147,7 +147,7 @@ def test_an_item_without_interactions_borrows_its_text_neighbours_rows_and_colum
     # a fit given the vectors borrows the same way
     fitted = ItemPrior.fit(hists, n, PriorConfig(l2=1.0, neighbours=7, kind="ease"), vectors, 2)
     torch.testing.assert_close(fitted.weight, sparsify(out, 7)[1])
-    # k 0, or nothing to borrow: unchanged
+    # k 0: unchanged
     assert torch.equal(
         borrow_from_text_neighbours(before.clone(), interacted, vectors, 0)[0], before
     )

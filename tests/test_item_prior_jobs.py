@@ -40,14 +40,13 @@ def publish_genre_vectors(ds: str, out: str) -> str:
     ``out``, each item's vector its genre (one-hot): what a text encoder would group."""
     import pyarrow as pa
 
-    from artifacts.data import encoder_tag, vectors_uri
-    from models.config import EncoderConfig
+    from artifacts.data import default_vectors_uri
     from tests.tiny import GENRES, N_ITEMS
 
     items = pl.from_arrow(storage.read_table(ds, "items.parquet"))
     vids, ids = items["vid"].to_numpy(), items["item_id"].to_numpy()
     vec = np.eye(len(GENRES), dtype=np.float16)[ids % len(GENRES)]
-    target = vectors_uri(out, "tiny", encoder_tag(EncoderConfig()))
+    target = default_vectors_uri(out, "tiny")
     pub = storage.Publication(target)
     table = pa.table({"vid": pa.array(vids, pa.int32()), "vector": list(vec)})
     pub.put_table("vectors.parquet", table)
