@@ -93,8 +93,10 @@ def _keys(t: pa.Table) -> pa.ChunkedArray:
     )
 
 
-def plan(items: pa.Table, previous: pa.Table | None, full: bool, max_chars: int):
-    """Split the catalog into (to_encode, reused, errors, dropped count)."""
+def plan(items: pa.Table, previous: pa.Table | None, max_chars: int):
+    """Split the catalog into (to_encode, reused, errors, dropped count): every text that cleans
+    to 1..``max_chars`` characters is encoded unless ``previous`` (the stored vectors; None for
+    ``--full``) holds its item with the same content hash, whose vector is then reused."""
     texts = [clean_text(t) for t in items.column("text").to_pylist()]
     lengths = np.array([len(t) for t in texts])
     reasons = np.where(
@@ -115,13 +117,8 @@ def plan(items: pa.Table, previous: pa.Table | None, full: bool, max_chars: int)
         "text",
         pa.array(np.array(texts, dtype=object)[~bad], pa.string()),
     )
-    if previous is None or full:
-        return (
-            good.select(["item_id", "vid", "content_hash", "text"]),
-            None,
-            errors,
-            0 if previous is None else previous.num_rows,
-        )
+    if previous is None:
+        return good.select(["item_id", "vid", "content_hash", "text"]), None, errors, 0
     key_prev, key_now = _keys(previous), _keys(good)
     have = pc.is_in(key_now, value_set=key_prev)
     to_encode = good.filter(pc.invert(have)).select(["item_id", "vid", "content_hash", "text"])
@@ -162,7 +159,7 @@ def encode_items(
         dataset_uri, "items.parquet", columns=["item_id", "vid", "text", "content_hash"]
     )
     previous = None if full else previous_vectors(target)
-    to_encode, reused, errors, dropped = plan(items, previous, full, max_chars)
+    to_encode, reused, errors, dropped = plan(items, previous, max_chars)
     log.info(
         "catalog %d items: %d to encode, %d reused, %d dropped, %d errors",
         items.num_rows,

@@ -90,11 +90,44 @@ def test_encoding_is_incremental(tiny, ray_local, capsys):
     got = {r.item_id: np.asarray(r.vector, dtype=np.float32) for r in new.itertuples()}
     np.testing.assert_allclose(got[7], fresh[0], atol=2e-3)
     np.testing.assert_allclose(got[62], fresh[1], atol=2e-3)
-    # --full re-encodes everything
-    full = run_json(capsys, encode_items.main, [*args, "--full"])
-    assert (full["encoded"], full["reused"], full["errors"]) == (60, 0, 2)
-    table, missing = item_table(full["out"], len(items))
-    assert missing == 2 and table.shape == (len(items), 384)
+    table, missing = item_table(second["out"], len(items))
+    assert missing == 2 and table.shape == (len(items), 384)  # the two errors have no vector
+    # --full leaves the stored vectors unread: test_encoding_plan_without_stored_vectors_*
+
+
+def test_encoding_plan_without_stored_vectors_encodes_every_good_text():
+    """What ``--full`` runs (the stored vectors left unread) and a first run: every text that
+    cleans to 1..max_chars characters is encoded, the others reported, nothing reused; with
+    stored vectors, only new or changed texts are encoded."""
+    import pyarrow as pa
+
+    items = pa.table(
+        {
+            "item_id": pa.array([10, 11, 12, 13], pa.int64()),
+            "vid": pa.array([1, 2, 3, 4], pa.int32()),
+            "text": ["a jazz record", "\x07\x07", "garden tools " * 10, "a space opera"],
+            "content_hash": ["h10", "h11", "h12", "h13"],
+        }
+    )
+    to_encode, reused, errors, dropped = encode_items.plan(items, None, max_chars=60)
+    assert to_encode["item_id"].to_pylist() == [10, 13] and reused is None and dropped == 0
+    assert errors.select(["item_id", "reason"]).to_pylist() == [
+        {"item_id": 11, "reason": "empty text after cleaning"},
+        {"item_id": 12, "reason": "text longer than 60 characters"},
+    ]
+    stored = pa.table(
+        {
+            "item_id": pa.array([10, 13, 99], pa.int64()),
+            "vid": pa.array([7, 8, 9], pa.int32()),
+            "content_hash": ["h10", "old", "h99"],
+            "vector": pa.array([[1.0], [2.0], [3.0]], pa.list_(pa.float32())),
+        }
+    )
+    to_encode, reused, errors, dropped = encode_items.plan(items, stored, max_chars=60)
+    assert to_encode["item_id"].to_pylist() == [13] and dropped == 1  # 13 changed, 99 gone
+    assert reused.select(["item_id", "vid", "vector"]).to_pylist() == [
+        {"item_id": 10, "vid": 1, "vector": [1.0]}  # the stored vector, under today's vid
+    ]
 
 
 def test_training_rows_come_in_a_new_seeded_order_every_epoch(ray_local, tmp_path):
