@@ -347,6 +347,12 @@ def test_whole_chain_on_s3_on_two_workers_with_checkpoints_and_resume(
     base += ["--workers", "2", "--patience", "10", *TINY_SHAPE]
     first = run_json(capsys, train_ranker.main, [*base, "--epochs", "2"])
     assert (first["epochs_run"], first["last_epoch"], first["workers"]) == (2, 1, 2)
+    # the embedded Ray trains without Ray Train's preemption watcher (ray_runtime's
+    # EMBEDDED_TRAIN_ENV); the GCS's actor table, as there is no dashboard for the State API
+    from ray._private import state
+
+    ran = {a["ActorClassName"] for a in state.actors().values()}
+    assert "RayTrainWorker" in ran and "PreemptionWatcher" not in ran
     root = ranker_training.checkpoint_uri(out, "r")
     assert first["checkpoint"] == root == f"{out}/checkpoints/r"
     marker = storage.read_marker(root)

@@ -20,6 +20,13 @@ LOCAL_OBJECT_STORE = 512 * 1024 * 1024
 # its last epoch and each start waits on the same poll: on one machine a poll is a local RPC, and
 # a quarter second took ~3 s off every training run (a one-epoch tiny run: 14.5 s -> 12.4 s)
 EMBEDDED_TRAIN_POLL_S = "0.25"
+# Ray Train starts a preemption watcher (one more actor process, its imports ~2-3 CPU-seconds)
+# for every worker group, to notice nodes a cloud takes back; an embedded Ray is one machine
+# that no one preempts, so it runs without one (a cluster keeps Ray's default)
+EMBEDDED_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": EMBEDDED_TRAIN_POLL_S,
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
 EMBEDDED_SETUP_HOOK = "pipelines.common.ray_runtime.embedded_worker_setup"  # run in each worker
 # Idle worker processes the embedded Ray keeps for reuse. Ray's default is one per CPU, so on a
 # small machine the idle workers left by one stage (a Ray Data map, a training run) are killed
@@ -49,9 +56,11 @@ def start_embedded(
     """Start an in-process local Ray that never joins a running cluster by accident: no
     dashboard, a modest object store, ``embedded_worker_setup`` in every worker, idle workers
     kept for the next stage (``EMBEDDED_IDLE_WORKERS``), and Ray Train's controller polling its
-    workers at ``EMBEDDED_TRAIN_POLL_S`` (unless set already)."""
+    workers at ``EMBEDDED_TRAIN_POLL_S`` with no preemption watcher (``EMBEDDED_TRAIN_ENV``,
+    unless set already)."""
     # read by the driver at each fit and passed on to the controller and the workers
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", EMBEDDED_TRAIN_POLL_S)
+    for name, value in EMBEDDED_TRAIN_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(
         address="local",
         num_cpus=num_cpus,
