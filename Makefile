@@ -84,8 +84,9 @@ demo: $(STAMP)
 # everything in .venv (the vLLM tests skip there) and, beside it, the vLLM tests in .venv-vllm
 # (all in tests/test_vllm.py: naming the file spares that run importing every other test module).
 # Side by side because a vLLM engine's start leaves cores idle while it waits on its own
-# processes: 832 s for both on two cores against 725 + 190 s one after the other. The vLLM run's
-# output is printed when the main suite ends; either failing fails the target.
+# processes: ~910 s for both on a fresh clone on two cores against ~980 s one after the other
+# (docs/results.md). The vLLM run's output is printed when the main suite ends; either failing
+# fails the target.
 test: $(STAMP) $(VLLM_STAMP) redis-server
 	@log=$$(mktemp); \
 	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py $(PYTEST_ARGS) >$$log 2>&1 & vllm=$$!; \
