@@ -317,7 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--include-test", action="store_true", help="add the test item (states to serve)"
     )
-    p.add_argument("--actors", type=int, default=2, help="prefill actors (Ray Data map_batches)")
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=2,
+        help="prefill actors (Ray Data map_batches; never more than there are batches)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="users per prefill forward")
     p.add_argument(
         "--store-uri",

@@ -563,7 +563,12 @@ def main(argv: list[str] | None = None) -> int:
         "the weight picked on the validation split (a ranker trained with --item-prior: its own "
         "prior, at its learned weight, without this option)",
     )
-    p.add_argument("--actors", type=int, default=2, help="scoring actors (Ray Data map_batches)")
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=2,
+        help="scoring actors (Ray Data map_batches; never more than there are batches)",
+    )
     a = cli.parse(p, argv)
     return jobs.run(
         lambda: evaluate(

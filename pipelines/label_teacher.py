@@ -144,7 +144,7 @@ def label(
 ) -> dict:
     import ray
 
-    from pipelines.common.ranker_actors import map_with_pool
+    from pipelines.common.ranker_actors import map_with_pool, pool_size
     from pipelines.common.ray_runtime import cluster_gpus, init_ray
     from pipelines.common.teachers import teacher_for_engine
     from pipelines.common.vllm_engine import check_engine
@@ -187,12 +187,14 @@ def label(
     actors = actors or max(1, default_actors)
     # rows per batch such that one batch is about batch_size * 8 prompts
     per_row = cuts * (1 + negatives)
+    rows_per_batch = max(1, batch_size * 8 // per_row)
+    actors = pool_size(rows.num_rows, rows_per_batch, actors)  # the pool map_with_pool starts
     res = map_with_pool(
         rows,
         TeacherLabeler,
         lambda threads: (teacher, dataset_uri, threads, batch_size, engine),
         actors=actors,
-        batch_size=max(1, batch_size * 8 // per_row),
+        batch_size=rows_per_batch,
         gpu=gpu,
     )
     table = pa.concat_tables(ray.get(res.to_arrow_refs()))
@@ -245,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-windows", type=int, default=0, help="label a seeded sample of windows (0: all)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled cuts and negatives")
-    p.add_argument("--actors", type=int, default=0, help="teacher actors (0: CPUs - 1)")
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=0,
+        help="teacher actors (0: CPUs - 1; never more than there are batches)",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="prompts per teacher forward")
     p.add_argument(
         "--engine",

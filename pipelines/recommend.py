@@ -196,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         "--include-seen", action="store_true", help="also recommend items of the user's history"
     )
     p.add_argument("--run", default=None, help="folder name (default: the states')")
-    p.add_argument("--actors", type=int, default=2, help="engine actors (Ray Data map_batches)")
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=2,
+        help="engine actors (Ray Data map_batches; never more than there are batches)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="users per engine call")
     p.add_argument(
         "--users-per-part", type=int, default=100_000, help="users per part file (the resume unit)"

@@ -408,6 +408,18 @@ def test_whole_chain_on_s3_on_two_workers_with_checkpoints_and_resume(
     assert png[:4] == b"\x89PNG"
 
 
+def test_an_actor_pool_starts_no_more_actors_than_its_table_makes_batches():
+    """An actor that would get no batch is not started (each costs a process and a model load):
+    analyze_kv's 10 users in batches of 16 take one actor of the two it asks for."""
+    from pipelines.common.ranker_actors import pool_size
+
+    assert pool_size(10, 16, 2) == 1
+    assert pool_size(40, 16, 2) == 2  # three batches: the two asked for
+    assert pool_size(40, 32, 4) == 2  # build_user_states' 40 users in batches of 32
+    assert pool_size(100, 16, 3) == 3
+    assert pool_size(0, 16, 3) == 1  # an empty table still gets its (empty) map
+
+
 def test_a_runs_summary_says_why_it_stopped_and_whether_validation_was_still_rising():
     tc = training.BaseTrainConfig(epochs=6, patience=2)
 

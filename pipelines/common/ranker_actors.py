@@ -41,6 +41,13 @@ def map_with_rankers(
     )
 
 
+def pool_size(rows: int, batch_size: int, actors: int) -> int:
+    """The actors a pool of up to ``actors`` starts for ``rows`` rows in batches of
+    ``batch_size``: no more than there are batches, since an actor that gets none still starts
+    a process and loads its model."""
+    return max(1, min(actors, -(-rows // max(1, batch_size))))
+
+
 def map_with_pool(
     table: pa.Table,
     actor_cls: type,
@@ -52,14 +59,15 @@ def map_with_pool(
     batch_format: str = "numpy",
 ):
     """``table`` mapped in batches (numpy, or ``batch_format``) by a pool of ``actors``
-    ``actor_cls`` actors sharing the cluster's CPUs (``ray_runtime.cpus_per_actor``), or with
-    one GPU each (``gpu``), built with ``args(threads)``; the table is pre-cut into blocks (see
-    ``data.blocks``)."""
+    ``actor_cls`` actors (``pool_size``: no more than the table makes batches) sharing the
+    cluster's CPUs (``ray_runtime.cpus_per_actor``), or with one GPU each (``gpu``), built with
+    ``args(threads)``; the table is pre-cut into blocks (see ``data.blocks``)."""
     import ray
 
     from pipelines.common.ray_runtime import cpus_per_actor, init_ray
 
     init_ray()
+    actors = pool_size(table.num_rows, batch_size, actors)
     cpus = 1.0 if gpu else cpus_per_actor(actors)
     ds = ray.data.from_arrow(blocks(table, actors * 4))
     return ds.map_batches(
