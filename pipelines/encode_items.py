@@ -145,6 +145,7 @@ def encode_items(
     import ray
 
     from pipelines.common import vllm_engine
+    from pipelines.common.ranker_actors import pool_size
     from pipelines.common.ray_runtime import cluster_gpus, init_ray
 
     t0 = time.perf_counter()
@@ -177,6 +178,8 @@ def encode_items(
         to_encode = to_encode.take(order)
         init_ray()
         gpus = cluster_gpus()
+        # an incremental run's few changed texts take one encoder, not a pool of idle ones
+        actors = pool_size(to_encode.num_rows, cfg.batch_size, actors)
         t_enc = time.perf_counter()
         ds = ray.data.from_arrow(
             blocks(to_encode, max(1, min(actors * 4, to_encode.num_rows // cfg.batch_size + 1)))
@@ -301,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         "--encoder", default=None, help="a local Hugging Face model directory (default: MiniLM)"
     )
     p.add_argument("--full", action="store_true", help="re-encode every item")
-    p.add_argument("--actors", type=int, default=2, help="encoder actors (Ray Data map_batches)")
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=2,
+        help="encoder actors (Ray Data map_batches; never more than there are batches)",
+    )
     p.add_argument(
         "--cpus-per-actor", type=float, default=0.5, help="CPUs reserved per encoder actor"
     )
