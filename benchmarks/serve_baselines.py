@@ -19,6 +19,7 @@ import torch
 from fastapi import FastAPI, HTTPException
 from ray import serve
 
+from artifacts import storage
 from services.api import RankRequest, RankResponse
 from services.app import Catalog
 
@@ -66,13 +67,14 @@ class FullForwardRanker:
 
 @serve.deployment
 class TeacherRanker:
-    def __init__(self, manifest_uri: str, teacher_uri: str) -> None:
-        from artifacts import storage
+    """The teacher on vLLM's async engine: a user's candidates as prompts over the titles of
+    ``dataset_uri``'s catalog."""
+
+    def __init__(self, dataset_uri: str, teacher_uri: str) -> None:
         from artifacts.data import item_titles
         from pipelines.common.teachers import load_teacher
 
-        manifest = storage.read_marker(manifest_uri)
-        self.titles = item_titles(manifest["dataset_uri"])
+        self.titles = item_titles(dataset_uri)
         with load_teacher(teacher_uri, "vllm", serving=True) as teacher:
             self.teacher = teacher
 
@@ -150,7 +152,7 @@ def build_baselines(
         TeacherRanker.options(
             max_ongoing_requests=64,
             ray_actor_options={"num_cpus": teacher_cpus, "num_gpus": teacher_gpus},
-        ).bind(manifest_uri, teacher_uri)
+        ).bind(storage.read_marker(manifest_uri)["dataset_uri"], teacher_uri)
         if teacher_uri
         else None
     )

@@ -1,12 +1,12 @@
 """The vLLM engine paths, on vLLM's CPU build (``make vllm-env``; ``make test`` runs this file
 in .venv-vllm, and it is skipped where vLLM is not installed): catalog encoding through
 ``ray.data.llm`` gives the Hugging Face engine's vectors, teacher labels through vLLM give the
-HF teacher's logits, and the teacher served by vLLM (prefix caching) ranks over real HTTP as
-the HF teacher scores."""
+HF teacher's logits, the teacher baseline's Serve deployment (vLLM's async engine, prefix
+caching) ranks as the HF teacher scores, and evaluate's teacher ranks through vLLM are the HF
+teacher's."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import polars as pl
 import pytest
@@ -18,12 +18,11 @@ from artifacts.data import encoder_tag, item_titles
 from pipelines import encode_items, label_teacher
 from pipelines.common import teachers
 from pipelines.encode_items import clean_text
-from tests.conftest import free_port
 from tests.tiny import (
     base_texts,
     prepare,
     run_json,
-    untrained_states,
+    untrained_ranker,
     untrained_teacher,
     write_catalog,
     write_sequences,
@@ -75,7 +74,7 @@ def test_the_cpu_engines_compile_nothing():
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, ray_local):
-    """A tiny published teacher and CollectiveKV states on the tiny dataset, both untrained:
+    """A tiny published teacher and ranker on the tiny dataset, both untrained:
     these tests compare the teacher's engines, not what the models learnt (training the teacher
     is checked in test_teacher_jobs.py)."""
     d = tmp_path_factory.mktemp("vllm")
@@ -85,7 +84,7 @@ def teacher(tmp_path_factory, ray_local):
         "out": out,
         "dataset": ds,
         "teacher": untrained_teacher(ds, out),
-        "states": untrained_states(ds, out),  # a build_user_states summary
+        "ranker": untrained_ranker(ds, out),
     }
 
 
@@ -118,56 +117,38 @@ def test_label_teacher_with_vllm_gives_the_hf_logits(teacher, capsys):
     assert_close(got, want, atol=1e-3, rtol=0)
 
 
-def test_the_teacher_served_by_vllm_ranks_as_the_hf_teacher_scores(teacher, capsys):
+def test_the_teacher_deployment_on_vllm_ranks_as_the_hf_teacher_scores(teacher):
+    """The teacher baseline's deployment (vLLM's async engine, a user's prompts sharing the
+    cached history prefix) ranks a user's candidates as the HF teacher scores them. It is called
+    through its Serve handle: the baselines' HTTP routes in front of it, and the store they read
+    the user from, are checked over HTTP with the full-forward baseline in test_serve.py."""
     from ray import serve
 
-    from artifacts import states
-    from benchmarks.serve_baselines import APP_NAME, ROUTE_PREFIX, build_baselines
+    from artifacts.data import user_sequences
+    from benchmarks.serve_baselines import TeacherRanker
     from models.teacher import TeacherExample
-    from services.app import build_app
 
-    built = teacher["states"]
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    settings = {"manifest_uri": built["user_states"], "shards": 1}
+    row = user_sequences(teacher["dataset"]).row(5, named=True)  # a state's hist and hist_fb
+    vids = [5, 17, 23, 42, 8, 31]
+    deployment = TeacherRanker.options(ray_actor_options={"num_cpus": 0.5})
+    serve.start(proxy_location="Disabled")  # called by its handle: no HTTP proxy
     try:
-        serve.run(build_app(settings), name="kvrank", route_prefix="/")
-        baselines = build_baselines(
-            built["user_states"],
-            shards=1,
-            full=False,
-            teacher_uri=teacher["teacher"],
-            teacher_cpus=0.5,
+        handle = serve.run(
+            deployment.bind(teacher["dataset"], teacher["teacher"]),
+            name="teacher",
+            route_prefix=None,
         )
-        serve.run(baselines, name=APP_NAME, route_prefix=ROUTE_PREFIX)
-        _, table = states.read_states(built["user_states"])
-        row = table.to_pylist()[5]
-        items = [5, 17, 23, 42, 8, 31]
-        body = {"user_id": row["user_id"], "candidate_item_ids": items, "k": 6}
-        r = httpx.post(
-            f"http://127.0.0.1:{port}{ROUTE_PREFIX}/v1/rank_teacher", json=body, timeout=120
-        )
-        assert r.status_code == 200, r.text
-        got = {x["item_id"]: x["score"] for x in r.json()["items"]}
+        top, scores = handle.rank.remote((row, vids, 6)).result(timeout_s=120)
     finally:
         serve.shutdown()
     titles = item_titles(teacher["dataset"])
-    vid_of = dict(
-        zip(
-            *storage.read_table(teacher["dataset"], "items.parquet")
-            .select(["item_id", "vid"])
-            .to_pydict()
-            .values(),
-            strict=True,
-        )
-    )
     hist = [titles[v] for v in row["hist"]]
-    examples = [TeacherExample(hist, row["hist_fb"], titles[vid_of[i]]) for i in items]
+    examples = [TeacherExample(hist, row["hist_fb"], titles[v]) for v in vids]
     with teachers.load_teacher(teacher["teacher"]) as hf:
         want = hf.score(examples)
-    assert_close(torch.tensor([got[i] for i in items]), want, atol=1e-3, rtol=0)
-    scores = [x["score"] for x in r.json()["items"]]
-    assert scores == sorted(scores, reverse=True)
+    got = dict(zip(top, scores, strict=True))
+    assert sorted(top) == sorted(vids) and scores == sorted(scores, reverse=True)
+    assert_close(torch.tensor([got[v] for v in vids]), want, atol=1e-3, rtol=0)
 
 
 def test_evaluate_scores_the_teacher_with_vllm_as_with_hf(teacher, capsys):
@@ -176,8 +157,7 @@ def test_evaluate_scores_the_teacher_with_vllm_as_with_hf(teacher, capsys):
     from pipelines import evaluate
 
     args = ["--dataset-uri", teacher["dataset"], "--out", teacher["out"], "--actors", "1"]
-    ranker = storage.read_marker(teacher["states"]["user_states"])["checkpoint"]
-    args += ["--checkpoint", ranker, "--teacher", teacher["teacher"]]
+    args += ["--checkpoint", teacher["ranker"], "--teacher", teacher["teacher"]]
     vl = run_json(capsys, evaluate.main, [*args, "--report", "vl", "--teacher-engine", "vllm"])
     got = pl.from_arrow(storage.read_table(vl["report"], "per_user.parquet")).sort("user_id")
 

@@ -136,12 +136,10 @@ def tiny_chain(ds: str, out: str) -> dict:
     return {"base": base, "fit": fit, "states": states, "fit_warnings": warned}
 
 
-def untrained_states(ds: str, out: str) -> dict:
-    """Every user's CollectiveKV state on the tiny dataset from a ranker that was never trained
-    (seeded weights, published as train_kv_pool publishes a fine-tune): for tests of what
-    reads states and a checkpoint but does not depend on what the ranker learnt. One Ray Data
-    job (build_user_states) instead of the two training runs of ``tiny_chain``; its summary,
-    ``["user_states"]`` the manifest URI."""
+def untrained_ranker(ds: str, out: str) -> str:
+    """A tiny id ranker on the tiny dataset ``ds`` that was never trained (seeded weights, one
+    CollectiveKV pool of 16), published as train_kv_pool publishes a fine-tune, under ``out``:
+    for tests that read a checkpoint but do not depend on what the ranker learnt. Its URI."""
     import dataclasses
     import io
 
@@ -149,7 +147,7 @@ def untrained_states(ds: str, out: str) -> dict:
 
     from artifacts import storage
     from models.ranker import Ranker
-    from pipelines import build_user_states, train_ranker
+    from pipelines import train_ranker
 
     args = train_ranker.build_parser().parse_args(
         ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--pool-size", "16", *TINY_SHAPE]
@@ -167,7 +165,7 @@ def untrained_states(ds: str, out: str) -> dict:
     pub.publish(
         {"kind": "ranker_checkpoint", "dataset_uri": storage.pinned(ds), "n_items": n_items}
     )
-    return build_user_states.build(ds, root, out, actors=1)
+    return root
 
 
 def untrained_teacher(ds: str, out: str) -> str:
