@@ -527,6 +527,7 @@ def build_app(args: dict):
         },
         max_ongoing_requests=s.ranker_max_ongoing_requests,
         max_queued_requests=s.ranker_max_queued_requests,
+        health_check_period_s=s.health_check_period_s,
         ray_actor_options={"num_cpus": s.ranker_num_cpus, "num_gpus": s.ranker_num_gpus},
     ).bind(conf)
     stores = [
@@ -534,6 +535,7 @@ def build_app(args: dict):
             name=f"UserStateStore{i}",
             num_replicas=1,
             max_ongoing_requests=s.store_max_ongoing_requests,
+            health_check_period_s=s.health_check_period_s,
             ray_actor_options={"num_cpus": s.store_num_cpus},
         ).bind(conf, i, ranker)
         for i in range(s.shards)
@@ -546,6 +548,7 @@ def build_app(args: dict):
         max_ongoing_requests=s.ingress_max_ongoing_requests,
         max_queued_requests=s.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=s.retry_after_s),
+        health_check_period_s=s.health_check_period_s,
         ray_actor_options={
             "num_cpus": s.ingress_num_cpus,
             "runtime_env": {"env_vars": env},

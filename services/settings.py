@@ -89,6 +89,11 @@ class ServeSettings:
         256, "rank requests queued at the ingress for the rankers beyond those they hold; then 503"
     )
     retry_after_s: int = option(1, "the Retry-After seconds of an overload answer (503)")
+    health_check_period_s: float = option(
+        2.0,
+        "seconds between Serve's health checks of each replica: a replica whose process died is "
+        "noticed (and replaced) within this (Serve's own default is 10)",
+    )
     item_vectors_poll_s: float = option(
         60.0,
         "seconds between a Ranker replica's checks for a newer version of the item vectors its "
@@ -122,6 +127,7 @@ class ServeSettings:
             "ingress_max_queued_requests",
             "ranker_max_queued_requests",
             "retry_after_s",
+            "health_check_period_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
