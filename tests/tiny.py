@@ -137,9 +137,9 @@ def tiny_chain(ds: str, out: str) -> dict:
 
 
 def untrained_ranker(ds: str, out: str) -> str:
-    """A tiny id ranker on the tiny dataset ``ds`` that was never trained (seeded weights, one
-    CollectiveKV pool of 16), published as train_kv_pool publishes a fine-tune, under ``out``:
-    for tests that read a checkpoint but do not depend on what the ranker learnt. Its URI."""
+    """A tiny id ranker on the tiny dataset ``ds`` that was never trained (seeded weights),
+    published as train_ranker publishes one, under ``out``: for tests that read a checkpoint but
+    do not depend on what the ranker learnt. Its URI."""
     import dataclasses
     import io
 
@@ -150,7 +150,7 @@ def untrained_ranker(ds: str, out: str) -> str:
     from pipelines import train_ranker
 
     args = train_ranker.build_parser().parse_args(
-        ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--pool-size", "16", *TINY_SHAPE]
+        ["--dataset-uri", ds, "--out", out, "--item-input", "id", *TINY_SHAPE]
     )
     rc, tc = train_ranker.configs_from_args(args, 5)
     n_items = int(storage.read_marker(ds)["items"])
