@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "label": a.label,
         "dataset": marker["name"],
         "batch_size": tc.batch_size,
+        "negatives": tc.negatives,
         "item_input": rc.item_input,
         "threads": __import__("torch").get_num_threads(),
         "mixed": in_process(rc, tc, job.dataset_uri, vectors, a.steps, 1),

@@ -113,17 +113,23 @@ def test_the_ramp_timeline_bins_requests_and_replica_readings_by_second():
 
 def test_train_throughput_times_both_batchings_of_the_jobs_windows(tiny, tmp_path):
     """benchmarks.train_throughput on the tiny dataset (id items: no vectors): a row per
-    dataset and label with both batchings, their real-token shares, and a second label kept."""
+    dataset and label with both batchings, their real-token shares and the negatives it trained
+    with, and a second label kept."""
     from benchmarks import train_throughput
     from tests.tiny import TINY_MODEL
 
     path = tmp_path / "throughput.json"
     args = ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--item-input", "id"]
     args += [*TINY_MODEL, "--batch-size", "4", "--max-len", "10", "--val-users", "8"]
-    for label in ("a", "b"):
-        train_throughput.main(["--steps", "3", "--label", label, "--json", str(path), *args])
+    for label, negatives in (("a", "5"), ("b", "2")):
+        argv = ["--steps", "3", "--label", label, "--json", str(path), *args]
+        train_throughput.main([*argv, "--negatives", negatives])
     report = json.loads(path.read_text())
     assert [(r["dataset"], r["label"]) for r in report["rows"]] == [("tiny", "a"), ("tiny", "b")]
+    assert [r["negatives"] for r in report["rows"]] == [5, 2]  # the row names what it trained
+    # each cut point scores 1 + negatives candidates: fewer negatives, fewer tokens a window
+    tokens = [r["mixed"]["tokens_per_window"] for r in report["rows"]]
+    assert tokens[1] < tokens[0]
     row = report["rows"][0]
     for batching in ("mixed", "bucketed"):
         figures = row[batching]
