@@ -5,7 +5,9 @@ job run with ``--config <recipe>``.
     python -m benchmarks.quality --config configs/ml-latest-small.yaml [--out out]
         [--complementary] [--dataset-uri D --vectors-uri V]
 
-``--complementary`` fits the prior first and trains the ranker complementary to it
+A recipe whose ranker mines negatives from the prior (``train_ranker: prior_negatives``) fits
+the prior first and trains with it as ``--negatives-prior``. ``--complementary`` fits the prior
+first and trains the ranker complementary to it
 (``train_ranker --item-prior``: evaluate fuses at the weight it learned) and writes
 ``quality_<dataset>_complementary.json``; ``--dataset-uri``/``--vectors-uri`` start from a
 prepared dataset and its vectors (no prepare or encode stage).
@@ -58,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if bool(a.dataset_uri) != bool(a.vectors_uri):
         p.error("--dataset-uri and --vectors-uri go together")
     with open(a.config) as fh:
-        dataset = yaml.safe_load(fh)["prepare_data"]["dataset"]
+        recipe = yaml.safe_load(fh)
+    dataset = recipe["prepare_data"]["dataset"]
+    # a recipe that mines negatives from the prior trains after the prior is fitted
+    mines = bool((recipe.get("train_ranker") or {}).get("prior_negatives"))
     jobs.setup_logging()
     t0 = time.perf_counter()
     out = storage.absolute(a.out)
@@ -76,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.complementary:  # the prior first: the ranker trains on the fused score
         stages += [fit, ("train", train_ranker, [*train, "--item-prior", prior])]
         stages += [("evaluate", evaluate, [*common, "--checkpoint", checkpoint])]
+    elif mines:
+        stages += [fit, ("train", train_ranker, [*train, "--negatives-prior", prior])]
+        stages += [
+            ("evaluate", evaluate, [*common, "--checkpoint", checkpoint, "--item-prior", prior])
+        ]
     else:
         stages += [("train", train_ranker, train), fit]
         stages += [

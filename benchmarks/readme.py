@@ -40,20 +40,36 @@ def quality() -> list[str]:
         def cell(m: str, ev: dict = ev) -> str:
             return f"{ev[f'{m}_full_ndcg10']:.4f} / {ev[f'{m}_full_hr10']:.3f}"
 
+        gain = ev["served_minus_prior_ndcg10"] / ev["item_prior_full_ndcg10"]
         out.append(
             f"| {ds} ({ev['users']:,}) | {cell('ranker')} | **{cell('ranker_prior')}** "
-            f"(weight {ev['fusion_weight']:g}) | {cell('item_prior')} | {cell('most_popular')} "
+            f"(weight {ev['fusion_weight']:g}; {gain:+.1%} against the prior, paired s.e. "
+            f"{ev['served_minus_prior_se']}) | {cell('item_prior')} | {cell('most_popular')} "
             f"| {ref['target_ndcg10']} | {ref['sasrec_ndcg10']} / {ref['sasrec_hr10']} "
             f"| {report['date']}, `{report['recipe']}` |"
         )
         if (RESULTS / f"quality_{ds}_complementary.json").exists():
             out.append(complementary_row(ds))
+    mined = [ds for ds in DATASETS if "--negatives-prior" in train_argv(ds)]
+    note = (
+        f" The ranker of {', '.join(mined)} mines its negatives from the prior (`train_ranker "
+        "--prior-negatives`): trained to order the prior's candidates, it is meant to be served "
+        "fused, and alone ranks the whole catalog poorly."
+        if mined
+        else ""
+    )
     return out + [
         "",
         "NDCG@10 / HR@10 over the full catalog minus the user's history (the protocol in "
         "[docs/jobs.md](docs/jobs.md)); a figure on 610 or 1,000 users carries a standard error "
-        "of about 0.006.",
+        "of about 0.006." + note,
     ]
+
+
+def train_argv(ds: str) -> list[str]:
+    """The command line the quality table's ranker of ``ds`` was trained with."""
+    report = load(f"quality_{ds}.json")
+    return next(s for s in report["stages"] if s["stage"] == "train")["argv"]
 
 
 def complementary_row(ds: str) -> str:
@@ -353,14 +369,8 @@ def scoring() -> list[str]:
     )
     enc = load("encode.json")
     first, inc = enc["encode_items_first"], enc["encode_items_incremental"]
-    train = ", ".join(
-        f"{r['dataset']}: {r['ray_train']['windows_per_second']:.0f} windows/s through Ray Train "
-        f"(one process: {r['bucketed']['windows_per_second']:.0f} with windows grouped by "
-        f"length, {r['bucketed']['real_token_share']:.0%} of the computed tokens real, against "
-        f"{r['mixed']['windows_per_second']:.0f} in batches of mixed lengths, "
-        f"{r['mixed']['real_token_share']:.0%} real)"
-        for r in load("train_throughput.json")["rows"]
-        if r["label"] == "default"
+    train = "; ".join(
+        throughput(r) for r in load("train_throughput.json")["rows"] if r["label"] == "default"
     )
     prep = load("prepare_data.json")["datasets"]
     return out + [
@@ -377,8 +387,30 @@ def scoring() -> list[str]:
             f"{name} {d['interactions']:,} interactions in {d['job_seconds_median']} s"
             for name, d in prep.items()
         )
-        + f". `benchmarks.train_throughput` (the recipe's ranker, batch 32): {train}.",
+        + f". `benchmarks.train_throughput` (each recipe's ranker): {train}.",
     ]
+
+
+def throughput(r: dict) -> str:
+    """One dataset's training throughput row, as the README quotes it."""
+    mined = (
+        f", {r['prior_negatives']} of them mined from the prior" if r.get("prior_negatives") else ""
+    )
+    out = (
+        f"{r['dataset']} (batches of {r['batch_size']}, {r['negatives']} negatives a cut{mined}): "
+        f"{r['ray_train']['windows_per_second']:.0f} windows/s through Ray Train (one process: "
+        f"{r['bucketed']['windows_per_second']:.0f} with windows grouped by length, "
+        f"{r['bucketed']['real_token_share']:.0%} of the computed tokens real, against "
+        f"{r['mixed']['windows_per_second']:.0f} in batches of mixed lengths, "
+        f"{r['mixed']['real_token_share']:.0%} real)"
+    )
+    if "baseline" in r:
+        out += (
+            f", {r['baseline_speedup']:.2f}x the training step of 2026-12-05 timed in the same "
+            f"run ({r['baseline']['windows_per_second']:.0f} windows/s: batches of 32 of mixed "
+            "lengths, 31 uniform negatives)"
+        )
+    return out
 
 
 def gpu() -> list[str]:

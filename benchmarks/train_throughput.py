@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_throughput --config configs/amazon-videogames-2018.yaml \\
         --dataset-uri out/datasets/amazon-videogames-2018 --out out \\
-        [--steps 60] [--label NAME] [--ray-steps 200] [--json FILE]
+        [--steps 60] [--label NAME] [--baseline] [--ray-steps 200] [--json FILE]
 
 The options after the benchmark's own are ``train_ranker``'s (a recipe and overrides): the
 model, the batches and the loss are exactly the job's. On one process without Ray it runs
@@ -10,7 +10,9 @@ model, the batches and the loss are exactly the job's. On one process without Ra
 backward pass, the optimizer with the weight average) over the job's training windows in a
 seeded order, timing each phase, and one validation pass over ``--val-users`` users; it counts
 the tokens each step computes (the prefill, the user tokens, the candidates) and how many are
-real rather than padding. With ``--ray-steps`` it then runs the ``train_ranker`` job itself for
+real rather than padding. ``--baseline`` times, in the same run, the training step of
+2026-12-05 on the same model and windows (``BASELINE``): the ratio the recipe's speed is quoted
+against. With ``--ray-steps`` it then runs the ``train_ranker`` job itself for
 one epoch capped at that many steps (Ray Train fed by Ray Data) and reads the windows/s of its
 training time. The report keeps one row per dataset and ``--label`` (a rerun replaces its row).
 """
@@ -60,19 +62,37 @@ def untrained(rc, tc, dataset_uri: str, vectors_uri: str | None):
 
 
 def in_process(
-    rc, tc, dataset_uri: str, vectors_uri: str | None, steps: int, chunk_batches: int
+    rc,
+    tc,
+    dataset_uri: str,
+    vectors_uri: str | None,
+    steps: int,
+    chunk_batches: int,
+    negatives_prior: str | None = None,
+    per_tensor_adamw: bool = False,
 ) -> dict:
     """``steps`` steps of the job's step functions on this process, phase by phase, the
     windows read in chunks of ``chunk_batches`` batches (as a Ray Train worker reads them: 1 is
-    batches of whatever lengths the shuffle put together)."""
+    batches of whatever lengths the shuffle put together); ``negatives_prior``: the item prior
+    ``tc.prior_negatives`` of each cut's negatives are mined from; ``per_tensor_adamw``: AdamW's
+    loop over the weights instead of the job's fused kernel (the baseline's)."""
     import torch
 
     from artifacts.data import training_windows, user_sequences
-    from pipelines.common.ranker_training import ranker_batches, ranker_loss
+    from artifacts.prior import read_prior
+    from models.item_prior import StackedPriors
+    from pipelines.common.ranker_training import optimizer, ranker_batches, ranker_loss
     from pipelines.common.training import weight_average
 
     model, n_items = untrained(rc, tc, dataset_uri, vectors_uri)
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    miner = None
+    if tc.prior_negatives:
+        miner = StackedPriors.of([read_prior(negatives_prior, n_items)[0]])
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
+        if per_tensor_adamw
+        else optimizer(model, tc)
+    )
     average = weight_average(model, tc.ema_decay, None)
     seqs = user_sequences(dataset_uri)
     users = seqs.filter(seqs["hist"].list.len() >= 2).select("user_id", "hist", "hist_fb")
@@ -81,10 +101,11 @@ def in_process(
     chunk = tc.batch_size * chunk_batches
 
     def batches():
-        for start in range(0, windows.height, chunk):
-            rows = windows.slice(start, chunk)
-            cols = {c: [np.asarray(x) for x in rows[c].to_list()] for c in ("hist", "hist_fb")}
-            yield from ranker_batches(cols, rng, tc, n_items)
+        while True:  # round the windows again when the steps outlast them (a small dataset)
+            for start in range(0, windows.height, chunk):
+                rows = windows.slice(start, chunk)
+                cols = {c: [np.asarray(x) for x in rows[c].to_list()] for c in ("hist", "hist_fb")}
+                yield from ranker_batches(cols, rng, tc, n_items)
 
     phases = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     tokens = {"computed": 0, "real": 0}
@@ -95,7 +116,7 @@ def in_process(
         t0 = time.perf_counter()
         tb = next(feed)
         t1 = time.perf_counter()
-        loss, _ = ranker_loss(model, tb, tc, torch.device("cpu"))
+        loss, _ = ranker_loss(model, tb, tc, torch.device("cpu"), miner=miner)
         t2 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -124,6 +145,19 @@ def in_process(
         "epoch_windows": windows.height,
         "epoch_train_seconds_estimate": round(windows.height * total / done, 1),
     }
+
+
+# the training step as it was on 2026-12-05, what the recipes' windows/s are measured against:
+# batches of 32 windows of mixed lengths, 31 uniform negatives a cut, AdamW's per-tensor loop
+BASELINE = {"batch_size": 32, "negatives": 31, "prior_negatives": 0}
+
+
+def baseline_step(rc, tc, dataset_uri: str, vectors_uri: str | None, steps: int) -> dict:
+    """``in_process`` of the 2026-12-05 step on the same model and data (``BASELINE``)."""
+    import dataclasses
+
+    base = dataclasses.replace(tc, **BASELINE)
+    return in_process(rc, base, dataset_uri, vectors_uri, steps, 1, per_tensor_adamw=True)
 
 
 def validation_seconds(rc, tc, dataset_uri: str, vectors_uri: str | None) -> dict:
@@ -169,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="timed steps on this process")
     p.add_argument("--ray-steps", type=int, default=0, help="steps of the job itself (0: none)")
     p.add_argument("--label", default="current", help="the report row's name")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time the training step of 2026-12-05 (batches of 32 windows of mixed "
+        "lengths, 31 uniform negatives, AdamW's per-tensor loop) in the same run",
+    )
     p.add_argument("--json", default="benchmarks/results/train_throughput.json")
     a, job_argv = p.parse_known_args(argv)
 
@@ -193,13 +233,21 @@ def main(argv: list[str] | None = None) -> int:
         "negatives": tc.negatives,
         "item_input": rc.item_input,
         "threads": __import__("torch").get_num_threads(),
-        "mixed": in_process(rc, tc, job.dataset_uri, vectors, a.steps, 1),
-        "bucketed": in_process(rc, tc, job.dataset_uri, vectors, a.steps, BUCKET_BATCHES),
+        "prior_negatives": tc.prior_negatives,
+        "mixed": in_process(rc, tc, job.dataset_uri, vectors, a.steps, 1, job.negatives_prior),
+        "bucketed": in_process(
+            rc, tc, job.dataset_uri, vectors, a.steps, BUCKET_BATCHES, job.negatives_prior
+        ),
         "validation": validation_seconds(rc, tc, job.dataset_uri, vectors),
     }
     row["bucketed_speedup"] = round(
         row["bucketed"]["windows_per_second"] / row["mixed"]["windows_per_second"], 2
     )
+    if a.baseline:
+        row["baseline"] = baseline_step(rc, tc, job.dataset_uri, vectors, a.steps)
+        row["baseline_speedup"] = round(
+            row["bucketed"]["windows_per_second"] / row["baseline"]["windows_per_second"], 2
+        )
     if a.ray_steps:
         ray_run = through_ray(
             [*job_argv, "--vectors-uri", vectors] if vectors else job_argv, a.ray_steps

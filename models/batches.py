@@ -8,10 +8,9 @@ positive, candidate 0) among ``negatives`` items drawn from the catalog. All cut
 user share one prefill (``Ranker.forward(..., cut=...)``). ``next_vids`` holds every next item
 of the window, for the full-catalog loss of the user token at every position.
 
-Negatives come from a sampling distribution Q over the catalog: uniform, or (better for
-full-catalog ranking, where popular items are the hard competitors) popularity^alpha. Training
-then subtracts log Q from every candidate's score (the "logQ correction" of sampled softmax),
-which makes the sampled loss estimate the full-catalog softmax instead of favouring rare items.
+Negatives are drawn uniformly from the catalog (or from a pool: the catalog without its
+held-out items); training may then swap some of them for the items an item prior puts forward
+after the cut (``pipelines.common.prior_offsets.prior_negatives``).
 """
 
 from __future__ import annotations

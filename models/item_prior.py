@@ -307,6 +307,18 @@ class StackedPriors:
         return prefix_scores(self.index, self.weight, self.cfg, vids, rows, folds)
 
 
+def sample_top(scores: Tensor, exclude: Tensor, m: int, top: int) -> Tensor:
+    """``m`` items per row drawn uniformly (with replacement) from the ``top`` items the row
+    scores highest, among those it scores above 0 and does not ``exclude``: scores (R, N),
+    exclude (R, N) bool -> (R, m) vids, -1 in a row with no such item. Mining a prior's
+    candidates as a ranker's negatives: the items a user's recent items vote for."""
+    val, idx = scores.masked_fill(exclude, float("-inf")).topk(min(top, scores.shape[1]), dim=1)
+    live = (val > 0).sum(1, keepdim=True)  # topk sorts: the live items come first
+    pos = (torch.rand(len(scores), m, device=scores.device) * live).long()
+    picked = idx.gather(1, pos.clamp(max=idx.shape[1] - 1))
+    return torch.where(live > 0, picked, torch.full_like(picked, -1))
+
+
 # the prior's weights tried against the ranker's score on validation: the fused score is
 # ranker + weight * prior, raw, so that any subset of the catalog (a request's candidates)
 # ranks as it would in the whole catalog; the grid is log-spaced (x2-2.5 a step) because the

@@ -6,6 +6,7 @@
         [--workers 1] [--epochs 30] [--patience 4] [--resume] [--item-input text+id|text|id]
         [--teacher-labels LABELS [--distill-weight 1] [--distill-temperature 1]]
         [--item-prior out/item_priors/ml-latest-small/RUN [--prior-weight W]]
+        [--prior-negatives M --negatives-prior out/item_priors/ml-latest-small/RUN]
 
 An epoch is every user's history cut into windows of ``--max-len`` + 1 items (each item a
 next-item target once). Each worker of a ``TorchTrainer`` (gloo DDP on CPUs, NCCL on GPUs) reads
@@ -29,6 +30,10 @@ prior alone best predicts each user's last history item (or at ``--prior-weight`
 user's windows read a prior refitted without that user's fold (one of 5), never one that saw
 the item it predicts; validation reads the published prior. The published
 checkpoint names the prior and its learned weight, which evaluate and Serve then use.
+
+With ``--prior-negatives M --negatives-prior P`` M of each cut's negatives are items the prior
+P ranks in its top 100 after the history the cut shows (never one of the window's own items):
+the head learns to order what the prior puts forward, as the served score must.
 
 Each step also updates an exponential moving average of the weights (``--ema-decay``, 0: off);
 the average, not the raw weights, is what is validated and published.
@@ -93,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrated, the weight at which the prior alone best predicts each user's last "
         "history item, by a prior fitted without that user)",
     )
+    p.add_argument(
+        "--negatives-prior",
+        default=None,
+        help="a fit_item_prior folder --prior-negatives of each cut's negatives are mined from",
+    )
     add_train_args(p)
     cli.add_fields(p, RankerConfig, "ranker", only=RANKER_OPTIONS)
     g = p.add_argument_group("CollectiveKV trained from scratch (train_kv_pool fits it instead)")
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             resume=a.resume,
             teacher_labels=a.teacher_labels,
             item_prior=a.item_prior,
+            negatives_prior=a.negatives_prior,
         )
 
     return jobs.run(job)

@@ -114,15 +114,15 @@ def test_the_ramp_timeline_bins_requests_and_replica_readings_by_second():
 def test_train_throughput_times_both_batchings_of_the_jobs_windows(tiny, tmp_path):
     """benchmarks.train_throughput on the tiny dataset (id items: no vectors): a row per
     dataset and label with both batchings, their real-token shares and the negatives it trained
-    with, and a second label kept."""
+    with, and a second label kept; ``--baseline`` adds the 2026-12-05 step in the same run."""
     from benchmarks import train_throughput
     from tests.tiny import TINY_MODEL
 
     path = tmp_path / "throughput.json"
     args = ["--dataset-uri", tiny["dataset"], "--out", tiny["out"], "--item-input", "id"]
     args += [*TINY_MODEL, "--batch-size", "4", "--max-len", "10", "--val-users", "8"]
-    for label, negatives in (("a", "5"), ("b", "2")):
-        argv = ["--steps", "3", "--label", label, "--json", str(path), *args]
+    for label, negatives, more in (("a", "5", []), ("b", "2", ["--baseline"])):
+        argv = ["--steps", "3", "--label", label, "--json", str(path), *more, *args]
         train_throughput.main([*argv, "--negatives", negatives])
     report = json.loads(path.read_text())
     assert [(r["dataset"], r["label"]) for r in report["rows"]] == [("tiny", "a"), ("tiny", "b")]
@@ -139,3 +139,11 @@ def test_train_throughput_times_both_batchings_of_the_jobs_windows(tiny, tmp_pat
     # grouping by length never computes more padding than batches of mixed lengths
     assert row["bucketed"]["real_token_share"] >= row["mixed"]["real_token_share"]
     assert row["validation"]["users"] == 8
+    assert "baseline" not in row
+    # the baseline: batches of 32 windows of mixed lengths with 31 negatives, on this process
+    b = report["rows"][1]
+    assert b["baseline"]["steps"] == 3
+    assert b["baseline"]["tokens_per_window"] > b["mixed"]["tokens_per_window"]
+    assert b["baseline_speedup"] == round(
+        b["bucketed"]["windows_per_second"] / b["baseline"]["windows_per_second"], 2
+    )

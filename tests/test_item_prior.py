@@ -291,3 +291,67 @@ def test_the_calibrated_weight_is_where_the_prior_alone_predicts_best():
     assert 20 < w < 300  # the targets were drawn at 80
     assert loglik(w) >= max(loglik(w * 0.9), loglik(w / 0.9))
     assert calibrated_weight(scores[:0], targets[:0]) == 1.0  # nothing to calibrate on
+
+
+def test_prior_negatives_are_the_priors_top_items_after_each_cut_never_the_windows_own():
+    """Mined negatives: each cut's first ``m`` negatives are items the prior ranks in its top
+    ``PRIOR_NEGATIVE_POOL`` after the history that cut shows, voted for (> 0), never an item of
+    the window (a history or next item, so never a positive) nor a held-out one; the rest of a
+    cut's candidates, and every positive, stay as sampled."""
+    from models.batches import training_batch
+    from models.item_prior import StackedPriors
+    from pipelines.common.prior_offsets import PRIOR_NEGATIVE_POOL, prior_negatives
+
+    n, k, m = 300, 6, 4
+    cfg = PriorConfig(l2=5.0, neighbours=150, recent=3, decay=0.8)
+    prior = ItemPrior.fit(random_histories(400, n, seed=3), n, cfg)
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, n, size=s) for s in (9, 3, 6, 2)]
+    tb = training_batch(
+        windows,
+        [np.zeros(len(w), dtype=np.int64) for w in windows],
+        rng,
+        n_items=n,
+        max_len=20,
+        cuts=3,
+        negatives=k - 1,
+        windowed=True,
+    )
+    held = torch.tensor([int(prior.index[windows[0][0], 0]), 7])  # one the prior votes for
+    torch.manual_seed(0)
+    got = prior_negatives(
+        StackedPriors.of([prior]),
+        tb.history.vids,
+        tb.next_vids,
+        tb.candidates,
+        tb.cut,
+        k - 1,
+        m,
+        held,
+    )
+    assert got.shape == tb.candidates.shape
+    mined = 0
+    for b, w in enumerate(windows):
+        for c in range(3):
+            t = int(tb.cut[b, c * k])
+            row = got[b, c * k : (c + 1) * k]
+            assert row[0] == tb.candidates[b, c * k] == w[t]  # the positive
+            assert row[1 + m :].equal(tb.candidates[b, c * k + 1 + m : (c + 1) * k])
+            scores = prior.scores([torch.as_tensor(w[:t])])[0]
+            scores[torch.as_tensor(w)] = float("-inf")
+            scores[held] = float("-inf")
+            top = set(
+                scores.topk(PRIOR_NEGATIVE_POOL)
+                .indices[scores.topk(PRIOR_NEGATIVE_POOL).values > 0]
+                .tolist()
+            )
+            for v in row[1 : 1 + m].tolist():
+                assert v in top and v not in set(w.tolist()) and v not in held.tolist()
+                mined += 1
+    assert mined == 4 * 3 * m
+    # a cut whose prior votes for nothing (an empty prior) keeps its uniform negatives
+    empty = ItemPrior(prior.index, torch.zeros_like(prior.weight), cfg)
+    kept = prior_negatives(
+        StackedPriors.of([empty]), tb.history.vids, tb.next_vids, tb.candidates, tb.cut, k - 1, m
+    )
+    assert kept.equal(tb.candidates)

@@ -310,3 +310,25 @@ def test_a_ranker_trained_complementary_to_the_prior_is_fused_at_its_learned_wei
     )
     with pytest.raises(InputError, match="was trained complementary to the prior"):
         evaluate.evaluate(ds, s["checkpoint"], out, item_prior=other["out"])
+
+
+def test_a_ranker_mining_negatives_from_the_prior_trains_and_names_it(tiny, ray_local, capsys):
+    """train_ranker --prior-negatives: refused by name without the prior to mine from (or
+    beyond --negatives); with it, the job trains through Ray Train and its checkpoint names the
+    prior."""
+    from pipelines import train_ranker
+    from tests.tiny import TINY_SHAPE
+
+    ds, out = tiny["dataset"], tiny["out"]
+    prior = run_json(capsys, fit_item_prior.main, ["--dataset-uri", ds, "--out", out, *GRID])
+    argv = ["--dataset-uri", ds, "--out", out, "--item-input", "id", "--epochs", "1", *TINY_SHAPE]
+    argv += ["--negatives", "3", "--prior-negatives", "2"]
+    assert train_ranker.main(argv) != 0
+    assert "give its folder as --negatives-prior" in capsys.readouterr().err
+    assert train_ranker.main([*argv, "--prior-negatives", "4"]) != 0
+    assert "--prior-negatives must be in [0, --negatives = 3]" in capsys.readouterr().err
+    s = run_json(
+        capsys, train_ranker.main, [*argv, "--run", "mined", "--negatives-prior", prior["out"]]
+    )
+    assert s["epochs_run"] == 1
+    assert storage.read_marker(s["checkpoint"])["negatives_prior"] == storage.pinned(prior["out"])

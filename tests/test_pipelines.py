@@ -179,6 +179,31 @@ def test_the_embedded_rays_workers_find_their_own_cluster_and_silence_its_state_
     assert not warns and errors
 
 
+def test_the_fused_optimizer_steps_as_the_per_tensor_adamw_and_skips_frozen_weights():
+    """The ranker's optimizer is AdamW's fused kernel: after steps on the same gradients its
+    weights are the per-tensor loop's (float rounding apart); frozen weights (a ``--tune kv``
+    fine-tune) are not in it."""
+    tc = ranker_training.TrainConfig(lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    b.load_state_dict(a.state_dict())
+    start = a[0].weight.detach().clone()
+    fused = ranker_training.optimizer(a, tc)
+    loop = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(20):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((a, fused), (b, loop)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    assert (a[0].weight - start).abs().max() > 0.05  # they did move
+    a[0].requires_grad_(False)
+    assert len(ranker_training.optimizer(a, tc).param_groups[0]["params"]) == 2
+
+
 def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
     model = torch.nn.Linear(1, 1, bias=False)
     assert training.weight_average(model, 0.0, None) is None  # off

@@ -30,6 +30,37 @@ def prior_offsets(priors, tb, vids, next_vids, cands, cut) -> tuple[torch.Tensor
     return catalog[row_of.gather(1, cut - 1), cands], catalog
 
 
+PRIOR_NEGATIVE_POOL = 100  # a cut's mined negatives come from the prior's top this many
+
+
+def prior_negatives(
+    priors, vids, next_vids, cands, cut, negatives: int, m: int, held=None
+) -> torch.Tensor:
+    """``cands`` (B, C(1+K)) with the first ``m`` negatives of each cut replaced by items the
+    prior ranks in its top ``PRIOR_NEGATIVE_POOL`` after the history that cut shows - the
+    competitors the served score's prior puts forward, so the ranker learns to order them.
+    Never an item of the window (its history or next items: its positives) nor a ``held``
+    (held-out) one; a cut whose prior votes for nothing keeps its uniform negatives."""
+    from models.item_prior import sample_top
+
+    b, k = len(cands), 1 + negatives
+    first = cut.view(b, -1, k)[:, :, 0]  # (B, C): the history length each cut shows
+    rows = torch.zeros_like(vids, dtype=torch.bool).scatter_(1, first - 1, True)
+    scores = priors.prefix_scores(vids, rows)  # (R, N), one row per distinct cut
+    row_of = rows.flatten().cumsum(0).view(rows.shape) - 1
+    owner = rows.nonzero(as_tuple=True)[0]
+    window = torch.cat([vids, next_vids], 1)[owner]  # (R, W), padding (< 0) to column N
+    n = scores.shape[1]
+    exclude = torch.zeros(len(scores), n + 1, dtype=torch.bool, device=scores.device)
+    exclude = exclude.scatter_(1, torch.where(window >= 0, window, n), True)[:, :n]
+    if held is not None:
+        exclude[:, held] = True
+    mined = sample_top(scores, exclude, m, PRIOR_NEGATIVE_POOL)[row_of.gather(1, first - 1)]
+    out = cands.view(b, -1, k).clone()
+    out[:, :, 1 : 1 + m] = torch.where(mined >= 0, mined, out[:, :, 1 : 1 + m])
+    return out.view(b, -1)
+
+
 def fused(model, out, offsets, catalog: bool):
     """``out`` (a ``RankerOutput``) with the prior's offsets added at the model's prior
     weight (unchanged without offsets, or for a model trained without the prior)."""

@@ -36,6 +36,7 @@ from pipelines.common.prior_offsets import (
     fused,
     load_priors,
     prior_folds,
+    prior_negatives,
     prior_offsets,
 )
 from pipelines.common.training import (
@@ -96,6 +97,11 @@ class TrainConfig(BaseTrainConfig):
         "product) or served (head + dot by MIS, what serving returns; slower)",
         choices=VAL_SCORES,
     )
+    prior_negatives: int = option(
+        0,
+        "with --negatives-prior: of each cut's --negatives, how many are drawn from the top "
+        "items that item prior scores after the cut's history instead of uniformly",
+    )
     # the raw weights' validation swung by more than its noise epoch to epoch on ml-latest-small
     ema_decay: float = option(
         0.995,
@@ -115,6 +121,11 @@ class TrainConfig(BaseTrainConfig):
             raise InputError(f"--base-distill-weight must be >= 0, got {self.base_distill_weight}")
         if self.catalog_weight < 0:
             raise InputError(f"--catalog-weight must be >= 0, got {self.catalog_weight}")
+        if not 0 <= self.prior_negatives <= self.negatives:
+            raise InputError(
+                f"--prior-negatives must be in [0, --negatives = {self.negatives}], "
+                f"got {self.prior_negatives}"
+            )
         if not 0 <= self.ema_decay < 1:
             raise InputError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
 
@@ -178,6 +189,7 @@ def ranker_loss(
     base=None,
     held_out: torch.Tensor | None = None,
     priors=None,
+    miner=None,
 ) -> tuple[torch.Tensor, dict]:
     """The ranker's loss on one ``TrainBatch``: softmax over each cut's candidates, the user
     token's catalog softmax, distillation from teacher labels and from the frozen ``base``, and
@@ -186,7 +198,8 @@ def ranker_loss(
     ``priors``: the out-of-fold item priors (``StackedPriors`` on ``dev``) of a ranker trained
     complementary to the prior: every logit is then the fused score, ranker + its
     ``prior_weight`` x the prior's score after the same history, as evaluation and serving
-    score."""
+    score. ``miner``: the item prior (``StackedPriors`` on ``dev``) ``tc.prior_negatives`` of
+    each cut's negatives are drawn from (``prior_negatives``)."""
     from models.ranker import distillation_loss, ranking_loss
 
     h = tb.history
@@ -195,6 +208,10 @@ def ranker_loss(
     next_vids = tb.next_vids.to(dev)
     rows = next_vids >= 0 if catalog else False  # logits only where a next item is
     cands, cut = tb.candidates.to(dev), tb.cut.to(dev)
+    if miner is not None and tc.prior_negatives:
+        cands = prior_negatives(
+            miner, h.vids, next_vids, cands, cut, tc.negatives, tc.prior_negatives, held_out
+        )
     out = model(h, cands, cut=cut, catalog=rows)
     offsets = None if priors is None else prior_offsets(priors, tb, h.vids, next_vids, cands, cut)
     out = fused(model, out, offsets, catalog)
@@ -230,6 +247,13 @@ def ranker_loss(
     if priors is not None and weight is not None:
         parts["prior_weight"] = weight.item()  # learned: the epoch's mean is in its metrics
     return loss + out.aux_loss, parts
+
+
+def optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the weights that learn, as one fused kernel (on two cores it steps in 3.9 ms
+    where the per-tensor loop took 6.8 ms; the same update)."""
+    learned = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(learned, lr=tc.lr, weight_decay=tc.weight_decay, fused=True)
 
 
 def without(logits: torch.Tensor, vids: torch.Tensor | None) -> torch.Tensor:
@@ -282,9 +306,7 @@ def train_loop(config: dict) -> None:
         if base.cfg.reads_vectors:
             base.set_item_table(table)
         base = base.to(dev).requires_grad_(False)
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=tc.lr, weight_decay=tc.weight_decay
-    )
+    opt = optimizer(model, tc)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
     average = weight_average(unwrap(model), tc.ema_decay, state)
@@ -294,6 +316,12 @@ def train_loop(config: dict) -> None:
     priors = load_priors(config["priors_uri"]) if config.get("priors_uri") else None
     full_prior = priors.prior(len(priors.index) - 1) if priors else None  # fitted on everyone
     priors = priors.to(dev) if priors else None
+    miner = None
+    if config.get("negatives_prior"):
+        from artifacts.prior import read_prior
+        from models.item_prior import StackedPriors
+
+        miner = StackedPriors.of([read_prior(config["negatives_prior"], n_items)[0]]).to(dev)
     val = load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
     first = None
     if val and state is None and config.get("init_uri"):
@@ -307,7 +335,7 @@ def train_loop(config: dict) -> None:
             log.info("starting weights: validation NDCG@10 %.4f (%d users)", start_val, n)
 
     def step(tb, rng) -> tuple[torch.Tensor, dict[str, float]]:
-        return ranker_loss(model, tb, tc, dev, base, held_t, priors)
+        return ranker_loss(model, tb, tc, dev, base, held_t, priors, miner)
 
     def validation(validated: torch.nn.Module) -> dict[str, float]:
         if not val:
@@ -355,6 +383,7 @@ def train(
     base_uri: str | None = None,
     prepare: tuple[str, dict] | None = None,
     item_prior: str | None = None,
+    negatives_prior: str | None = None,
 ) -> dict:
     """Train (or, with ``init_state``, fine-tune from those weights) and publish the best epoch.
     ``extra_meta`` goes into the published checkpoint's marker. With ``teacher_labels`` (a
@@ -366,7 +395,8 @@ def train(
     ``item_prior`` (a fit_item_prior folder): train complementary to it, its learned weight
     starting at ``rc.prior_weight`` (0: calibrated, ``calibrated_weight``): each user's windows
     read the offsets of a prior refitted without that user's fold, so no window is scored by a
-    prior that saw its next item."""
+    prior that saw its next item. ``negatives_prior`` (a fit_item_prior folder): the prior
+    ``tc.prior_negatives`` of each cut's negatives are mined from."""
 
     from pipelines.common.ray_runtime import init_ray
 
@@ -402,6 +432,16 @@ def train(
             f"to: it needs --item-prior (a fit_item_prior folder) and must be > 0, got "
             f"{rc.prior_weight}"
         )
+    if bool(tc.prior_negatives) != bool(negatives_prior):
+        raise InputError(
+            "--prior-negatives and --negatives-prior go together: fit the prior first "
+            "(pipelines.fit_item_prior) and give its folder as --negatives-prior"
+        )
+    if teacher_labels and tc.prior_negatives:
+        raise InputError("--prior-negatives: a teacher's labelled examples keep their candidates")
+    if negatives_prior:
+        negatives_prior = storage.pinned(negatives_prior)
+        extra_meta = {**(extra_meta or {}), "negatives_prior": negatives_prior}
     if item_prior:
         item_prior = storage.pinned(item_prior)
         folds = prior_folds(users["user_id"].to_numpy(), tc.seed)
@@ -443,6 +483,7 @@ def train(
         # new items (prepare_data --holdout-items): never a negative, never in the catalog softmax
         "held_out": held_out_vids(dataset_uri).tolist(),
         "priors_uri": priors_uri,
+        "negatives_prior": negatives_prior,
     }
     log.info(
         "training %s on %d users (%d windows), %d items, %d worker(s)",
