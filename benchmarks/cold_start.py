@@ -9,7 +9,8 @@ interacted items, seeded, left in the catalog but out of every history and valid
 encode_items (or ``--vectors-uri``: the catalog's vectors already encoded; the catalog is the
 same) -> three rankers: ``text+id`` (the recipe's), ``text`` (item text vectors alone) and
 ``id`` (learned item ids alone, the id-only baseline) -> fit_item_prior (the new items
-borrowing their text neighbours' weights) -> evaluate twice with
+borrowing their text neighbours' weights; first, when the recipe's rankers mine negatives
+from it) -> evaluate twice with
 the prior (text+id beside the id ranker, then text), each over its seeded sample plus the
 users whose test item is a new item.
 
@@ -28,7 +29,7 @@ import time
 
 import yaml
 
-from benchmarks.report import machine, write
+from benchmarks.report import machine, mines_negatives, write
 
 RANKERS = ("text+id", "text", "id")
 
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="default: benchmarks/results/cold_start_<ds>.json")
     a = p.parse_args(argv)
     with open(a.config) as fh:
-        dataset = yaml.safe_load(fh)["prepare_data"]["dataset"]
+        recipe = yaml.safe_load(fh)
+    dataset = recipe["prepare_data"]["dataset"]
     jobs.setup_logging()
     t0 = time.perf_counter()
     out = storage.absolute(a.out)
@@ -101,21 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     cap = (["--max-minutes", str(a.max_minutes)] if a.max_minutes else []) + (
         ["--epochs", str(a.epochs)] if a.epochs else []
     )
+    fit = [*common, "--run", f"{dataset}-cold-prior", "--vectors-uri", vectors]
+
+    def fit_prior() -> str:
+        stage = run_stage("fit prior", fit_item_prior.main, fit_item_prior.__name__, fit)
+        done.append(stage | {"argv": fit})
+        return stage["out"]
+
+    # a recipe whose rankers mine negatives from the prior trains after the prior is fitted
+    prior = fit_prior() if mines_negatives(recipe) else None
     checkpoints = {}
     for kind in RANKERS:
         run = f"{dataset}-cold-{kind.replace('+', '-')}"
         args = [*common, "--run", run, "--item-input", kind, *cap]
         args += ["--vectors-uri", vectors] if kind != "id" else []
+        args += ["--negatives-prior", prior] if prior else []
         done.append(
             run_stage(f"train {kind}", train_ranker.main, train_ranker.__name__, args)
             | {"argv": args}
         )
         checkpoints[kind] = done[-1]["checkpoint"]
-    args = [*common, "--run", f"{dataset}-cold-prior", "--vectors-uri", vectors]
-    done.append(
-        run_stage("fit prior", fit_item_prior.main, fit_item_prior.__name__, args) | {"argv": args}
-    )
-    prior = done[-1]["out"]
+    prior = prior or fit_prior()
     evals = {}
     for kind, extra in (("text+id", ["--id-checkpoint", checkpoints["id"]]), ("text", [])):
         args = [*common, "--checkpoint", checkpoints[kind], "--item-prior", prior, *extra]

@@ -26,7 +26,7 @@ import time
 
 import yaml
 
-from benchmarks.report import machine, write
+from benchmarks.report import machine, mines_negatives, write
 
 # the reference figures the issue set for each dataset (SASRec's runs on the same protocol,
 # full-catalog NDCG@10) and the quality targets
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(a.config) as fh:
         recipe = yaml.safe_load(fh)
     dataset = recipe["prepare_data"]["dataset"]
-    # a recipe that mines negatives from the prior trains after the prior is fitted
-    mines = bool((recipe.get("train_ranker") or {}).get("prior_negatives"))
+    mines = mines_negatives(recipe)  # then the ranker trains after the prior is fitted
     jobs.setup_logging()
     t0 = time.perf_counter()
     out = storage.absolute(a.out)

@@ -1,4 +1,5 @@
-"""What every benchmark shares: the machine it ran on, and writing its JSON report."""
+"""What every benchmark shares: the machine it ran on, writing its JSON report, and what a
+recipe asks of the order of its jobs."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ def write(path: str, report: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(report, f, indent=2)
     os.replace(tmp, path)
+
+
+def mines_negatives(recipe: dict) -> bool:
+    """Whether a recipe's ranker mines negatives from the item prior (``train_ranker:
+    prior_negatives``): a benchmark running it fits the prior first and passes it as
+    ``--negatives-prior``."""
+    return bool((recipe.get("train_ranker") or {}).get("prior_negatives"))

@@ -147,3 +147,19 @@ def test_train_throughput_times_both_batchings_of_the_jobs_windows(tiny, tmp_pat
     assert b["baseline_speedup"] == round(
         b["bucketed"]["windows_per_second"] / b["baseline"]["windows_per_second"], 2
     )
+
+
+def test_the_benchmarks_fit_the_prior_first_for_a_recipe_that_mines_negatives_from_it():
+    """The amazon recipe's ranker mines negatives from the prior (its quality and cold-start
+    runs then fit the prior before training); ml-latest-small's and the demo's do not."""
+    import yaml
+
+    from benchmarks.report import mines_negatives
+
+    def recipe(name: str) -> dict:
+        with open(f"configs/{name}.yaml") as fh:
+            return yaml.safe_load(fh)
+
+    assert mines_negatives(recipe("amazon-videogames-2018"))
+    assert not mines_negatives(recipe("ml-latest-small")) and not mines_negatives(recipe("demo"))
+    assert not mines_negatives({"prepare_data": {"dataset": "x"}, "train_ranker": None})
