@@ -81,8 +81,8 @@ def in_process(
     from artifacts.data import training_windows, user_sequences
     from artifacts.prior import read_prior
     from models.item_prior import StackedPriors
-    from pipelines.common.ranker_training import optimizer, ranker_batches, ranker_loss
-    from pipelines.common.training import weight_average
+    from pipelines.common.ranker_training import ranker_batches, ranker_loss
+    from pipelines.common.training import optimizer, weight_average
 
     model, n_items = untrained(rc, tc, dataset_uri, vectors_uri)
     miner = None

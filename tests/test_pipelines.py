@@ -189,7 +189,7 @@ def test_the_fused_optimizer_steps_as_the_per_tensor_adamw_and_skips_frozen_weig
     b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     b.load_state_dict(a.state_dict())
     start = a[0].weight.detach().clone()
-    fused = ranker_training.optimizer(a, tc)
+    fused = training.optimizer(a, tc)
     loop = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(20):
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
@@ -201,7 +201,7 @@ def test_the_fused_optimizer_steps_as_the_per_tensor_adamw_and_skips_frozen_weig
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     assert (a[0].weight - start).abs().max() > 0.05  # they did move
     a[0].requires_grad_(False)
-    assert len(ranker_training.optimizer(a, tc).param_groups[0]["params"]) == 2
+    assert len(training.optimizer(a, tc).param_groups[0]["params"]) == 2
 
 
 def test_the_weight_average_moves_a_fixed_share_each_step_and_resumes():
