@@ -40,12 +40,7 @@ REFERENCES = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    from artifacts import storage
-    from demo import run_stage
-    from pipelines import encode_items, evaluate, fit_item_prior, prepare_data, train_ranker
-    from pipelines.common import jobs
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__)
     p.add_argument("--config", required=True, help="a recipe: configs/<dataset>.yaml")
     p.add_argument("--out", default="out", help="output root (default: %(default)s)")
@@ -56,40 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dataset-uri", default=None, help="a prepared dataset (skips prepare)")
     p.add_argument("--vectors-uri", default=None, help="its item vectors (skips encode)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from artifacts import storage
+    from demo import run_stage
+    from pipelines.common import jobs
+
+    p = build_parser()
     a = p.parse_args(argv)
     if bool(a.dataset_uri) != bool(a.vectors_uri):
         p.error("--dataset-uri and --vectors-uri go together")
     with open(a.config) as fh:
         recipe = yaml.safe_load(fh)
     dataset = recipe["prepare_data"]["dataset"]
-    mines = mines_negatives(recipe)  # then the ranker trains after the prior is fitted
     jobs.setup_logging()
     t0 = time.perf_counter()
-    out = storage.absolute(a.out)
-    ds = a.dataset_uri or storage.join(out, "datasets", dataset)
-    run = f"{dataset}-recipe" + ("-complementary" if a.complementary else "")
-    checkpoint = storage.join(out, "checkpoints", run)
-    prior = storage.join(out, "item_priors", dataset, f"{dataset}-recipe-prior")
-    common = ["--config", a.config, "--dataset-uri", ds, "--out", out]
-    prep = ["--config", a.config, "--out", out] + (["--data-dir", a.data_dir] if a.data_dir else [])
-    train = [*common, "--run", run] + (["--vectors-uri", a.vectors_uri] if a.vectors_uri else [])
-    fit = ("fit prior", fit_item_prior, [*common, "--run", f"{dataset}-recipe-prior"])
-    stages = (
-        [] if a.dataset_uri else [("prepare", prepare_data, prep), ("encode", encode_items, common)]
-    )
-    if a.complementary:  # the prior first: the ranker trains on the fused score
-        stages += [fit, ("train", train_ranker, [*train, "--item-prior", prior])]
-        stages += [("evaluate", evaluate, [*common, "--checkpoint", checkpoint])]
-    elif mines:
-        stages += [fit, ("train", train_ranker, [*train, "--negatives-prior", prior])]
-        stages += [
-            ("evaluate", evaluate, [*common, "--checkpoint", checkpoint, "--item-prior", prior])
-        ]
-    else:
-        stages += [("train", train_ranker, train), fit]
-        stages += [
-            ("evaluate", evaluate, [*common, "--checkpoint", checkpoint, "--item-prior", prior])
-        ]
+    stages = plan(a, recipe, storage.absolute(a.out))
     done = []
     for name, module, args in stages:
         done.append(run_stage(name, module.main, module.__name__, args) | {"argv": args})
@@ -122,6 +101,35 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 0
+
+
+def plan(a: argparse.Namespace, recipe: dict, out: str) -> list[tuple[str, object, list[str]]]:
+    """The recipe's jobs in order, each (stage, job module, its command line): the prior first
+    when the ranker trains on the fused score (``--complementary``) or mines negatives from it
+    (the recipe's ``prior_negatives``); evaluate fuses a complementary ranker at the weight it
+    learned, any other at the weight it picks."""
+    from artifacts import storage
+    from pipelines import encode_items, evaluate, fit_item_prior, prepare_data, train_ranker
+
+    dataset = recipe["prepare_data"]["dataset"]
+    ds = a.dataset_uri or storage.join(out, "datasets", dataset)
+    run = f"{dataset}-recipe" + ("-complementary" if a.complementary else "")
+    checkpoint = storage.join(out, "checkpoints", run)
+    prior = storage.join(out, "item_priors", dataset, f"{dataset}-recipe-prior")
+    common = ["--config", a.config, "--dataset-uri", ds, "--out", out]
+    prep = ["--config", a.config, "--out", out] + (["--data-dir", a.data_dir] if a.data_dir else [])
+    train = [*common, "--run", run] + (["--vectors-uri", a.vectors_uri] if a.vectors_uri else [])
+    train += ["--item-prior", prior] if a.complementary else []
+    mines = mines_negatives(recipe)
+    train += ["--negatives-prior", prior] if mines else []
+    fit = ("fit prior", fit_item_prior, [*common, "--run", f"{dataset}-recipe-prior"])
+    trained = ("train", train_ranker, train)
+    stages = (
+        [] if a.dataset_uri else [("prepare", prepare_data, prep), ("encode", encode_items, common)]
+    )
+    stages += [fit, trained] if a.complementary or mines else [trained, fit]
+    fuse = [] if a.complementary else ["--item-prior", prior]
+    return stages + [("evaluate", evaluate, [*common, "--checkpoint", checkpoint, *fuse])]
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_scoring_benchmark_writes_all_four_paths(tmp_path):
     out = tmp_path / "scoring.json"
@@ -163,3 +165,39 @@ def test_the_benchmarks_fit_the_prior_first_for_a_recipe_that_mines_negatives_fr
     assert mines_negatives(recipe("amazon-videogames-2018"))
     assert not mines_negatives(recipe("ml-latest-small")) and not mines_negatives(recipe("demo"))
     assert not mines_negatives({"prepare_data": {"dataset": "x"}, "train_ranker": None})
+
+
+@pytest.mark.parametrize(
+    "recipe, more, order",
+    [
+        ("ml-latest-small", [], ["prepare", "encode", "train", "fit prior", "evaluate"]),
+        ("amazon-videogames-2018", [], ["prepare", "encode", "fit prior", "train", "evaluate"]),
+        (
+            "ml-latest-small",
+            ["--complementary"],
+            ["prepare", "encode", "fit prior", "train", "evaluate"],
+        ),
+    ],
+)
+def test_the_quality_benchmark_fits_the_prior_before_a_ranker_that_needs_it(recipe, more, order):
+    """benchmarks.quality's jobs in order: the prior after training, unless the ranker mines
+    negatives from it (the amazon recipe) or trains on the fused score (--complementary); the
+    ranker then gets the prior that evaluate fuses with, and a complementary one is fused at
+    its learned weight."""
+    import yaml
+
+    from benchmarks import quality
+
+    config = f"configs/{recipe}.yaml"
+    a = quality.build_parser().parse_args(["--config", config, *more])
+    with open(config) as fh:
+        stages = quality.plan(a, yaml.safe_load(fh), "/o")
+    assert [name for name, _, _ in stages] == order
+    argv = {name: args for name, _, args in stages}
+    prior = f"/o/item_priors/{recipe}/{recipe}-recipe-prior"
+    mined = recipe == "amazon-videogames-2018"
+    assert ("--negatives-prior" in argv["train"]) == mined
+    if mined:
+        assert argv["train"][argv["train"].index("--negatives-prior") + 1] == prior
+    assert ("--item-prior" in argv["train"]) == bool(more)
+    assert ("--item-prior" in argv["evaluate"]) == (not more)
