@@ -79,15 +79,12 @@ def in_process(
     import torch
 
     from artifacts.data import training_windows, user_sequences
-    from artifacts.prior import read_prior
-    from models.item_prior import StackedPriors
+    from pipelines.common.prior_offsets import load_negatives_prior
     from pipelines.common.ranker_training import ranker_batches, ranker_loss
     from pipelines.common.training import optimizer, weight_average
 
     model, n_items = untrained(rc, tc, dataset_uri, vectors_uri)
-    miner = None
-    if tc.prior_negatives:
-        miner = StackedPriors.of([read_prior(negatives_prior, n_items)[0]])
+    miner = load_negatives_prior(negatives_prior, n_items) if tc.prior_negatives else None
     opt = (
         torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
         if per_tensor_adamw

@@ -61,6 +61,15 @@ def prior_negatives(
     return out.view(b, -1)
 
 
+def load_negatives_prior(uri: str, n_items: int):
+    """The published prior at ``uri`` as the ``StackedPriors`` (of one) ``prior_negatives``
+    mines from."""
+    from artifacts.prior import read_prior
+    from models.item_prior import StackedPriors
+
+    return StackedPriors.of([read_prior(uri, n_items)[0]])
+
+
 def fused(model, out, offsets, catalog: bool):
     """``out`` (a ``RankerOutput``) with the prior's offsets added at the model's prior
     weight (unchanged without offsets, or for a model trained without the prior)."""

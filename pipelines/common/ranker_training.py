@@ -34,6 +34,7 @@ from pipelines.common import cli, jobs
 from pipelines.common.prior_offsets import (
     fold_priors,
     fused,
+    load_negatives_prior,
     load_priors,
     prior_folds,
     prior_negatives,
@@ -312,10 +313,7 @@ def train_loop(config: dict) -> None:
     priors = priors.to(dev) if priors else None
     miner = None
     if config.get("negatives_prior"):
-        from artifacts.prior import read_prior
-        from models.item_prior import StackedPriors
-
-        miner = StackedPriors.of([read_prior(config["negatives_prior"], n_items)[0]]).to(dev)
+        miner = load_negatives_prior(config["negatives_prior"], n_items).to(dev)
     val = load_val(config["dataset_uri"], tc.val_users, tc.seed) if tc.val_users else None
     first = None
     if val and state is None and config.get("init_uri"):
